@@ -1,0 +1,35 @@
+"""ppo_objectives: token-level PPO with a critic for language models, on TorchRL."""
+
+from ppo_objectives.functional import (
+    aggregate_loss,
+    clipped_value_loss,
+    explained_variance,
+    kl_estimate,
+    masked_gae,
+    masked_gae_reference,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    ppo_policy_loss,
+    reference_kl_penalty,
+    response_log_probs,
+    response_logp_positions,
+)
+
+__all__ = [
+    "aggregate_loss",
+    "clipped_value_loss",
+    "explained_variance",
+    "kl_estimate",
+    "masked_gae",
+    "masked_gae_reference",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "reference_kl_penalty",
+    "response_log_probs",
+    "response_logp_positions",
+]
+
+__version__ = "0.1.0"
