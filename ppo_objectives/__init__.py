@@ -2,34 +2,40 @@
 
 from ppo_objectives.functional import (
     aggregate_loss,
+    approx_kl,
     clipped_value_loss,
     explained_variance,
     kl_estimate,
     masked_gae,
     masked_gae_reference,
     masked_mean,
+    masked_sum,
     masked_var,
     masked_whiten,
     ppo_policy_loss,
     reference_kl_penalty,
     response_log_probs,
     response_logp_positions,
+    value_checks,
 )
 
 __all__ = [
     "aggregate_loss",
+    "approx_kl",
     "clipped_value_loss",
     "explained_variance",
     "kl_estimate",
     "masked_gae",
     "masked_gae_reference",
     "masked_mean",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
     "ppo_policy_loss",
     "reference_kl_penalty",
     "response_log_probs",
     "response_logp_positions",
+    "value_checks",
 ]
 
 __version__ = "0.1.0"

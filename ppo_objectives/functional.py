@@ -1,0 +1,1008 @@
+"""The functional core of token-level PPO: pure tensor math, torch only.
+
+Every number the TorchRL modules of this package compute is computed here, so
+the whole algorithm can be read in one file and tested without TensorDicts.
+The five functions marked *MiniMind* follow the PPO stage of MiniMind's
+``trainer/train_ppo.py`` name for name and number for number; the rest are
+what users of verl / OpenRLHF / TRL expect beyond it.
+
+Shape letters (used in every docstring below):
+
+- ``B``: batch dimensions (one or more leading dims, written ``*B``), or a
+  single batch dim where a function says ``[B]``.
+- ``T``: the full sequence length (prompt + response) of ``input_ids``/``logits``.
+- ``R``: the response length (tokens the policy generated, padded).
+- ``V``: the vocabulary size.
+
+Conventions (see DESIGN.md):
+
+- ``mask`` is always "True = this token takes part". Bool masks are used as
+  they are; integer or floating masks must hold only 0 and 1.
+- Masked positions never influence valid ones: rewards, values or log-probs
+  there may be garbage (even NaN) and every output at a valid position is
+  unchanged. Per-token outputs are exactly 0 at masked positions.
+- An empty mask gives 0, never NaN.
+- Math runs in float32 or better, even for bf16/fp16 inputs.
+
+Value checks that have to read tensor data (mask values of a non-bool mask,
+positions inside the sequence, hyper-parameters given as CPU tensors) run
+eagerly and are skipped inside ``torch.compile``; :func:`value_checks` turns
+them off for a hot loop. Shape, dtype and device checks are always on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "aggregate_loss",
+    "approx_kl",
+    "clipped_value_loss",
+    "explained_variance",
+    "kl_estimate",
+    "masked_gae",
+    "masked_gae_reference",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "reference_kl_penalty",
+    "response_log_probs",
+    "response_logp_positions",
+    "value_checks",
+]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+
+_VALUE_CHECKS = True
+
+
+# --------------------------------------------------------------------------- #
+# Input checks (private). Every public function calls these in its first lines.
+# --------------------------------------------------------------------------- #
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Turn the data-reading input checks on or off inside a ``with`` block.
+
+    Checks of mask *values* (for non-bool masks), of positions inside the
+    sequence and of hyper-parameters given as tensors read tensor data, which
+    costs a host synchronisation on CUDA. Turn them off in a tight loop once
+    the inputs are known to be good; shape, dtype and device checks stay on.
+
+    Example:
+        >>> import torch
+        >>> x, m = torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0])
+        >>> with value_checks(False):
+        ...     masked_mean(x, m)
+        tensor(2.)
+    """
+    global _VALUE_CHECKS
+    previous, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = previous
+
+
+def _checking_values() -> bool:
+    return _VALUE_CHECKS and not torch.compiler.is_compiling()
+
+
+def _check_tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _check_float(name: str, x: object) -> Tensor:
+    x = _check_tensor(name, x)
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor, got dtype {x.dtype}; convert it with {name}.float()"
+        )
+    return x
+
+
+def _check_same_shape(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+                f"per-token tensors must have identical shapes (nothing is broadcast, since "
+                f"broadcasting here would silently mix tokens of different sequences)"
+            )
+
+
+def _check_same_device(**tensors: Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}; move them with .to(device)")
+
+
+def _check_mask(mask: object, shape: torch.Size, ref_name: str) -> Tensor:
+    """Validate ``mask`` and return it as a bool tensor."""
+    mask = _check_tensor("mask", mask)
+    if mask.shape != shape:
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(shape)}; "
+            f"the mask must have exactly the shape of the per-token tensors (no broadcasting)"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool or real with values in {{0, 1}}, got dtype {mask.dtype}")
+    if _checking_values() and mask.numel() > 0:
+        binary = ((mask == 0) | (mask == 1)).all()
+        if not bool(binary):
+            bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+            raise ValueError(
+                f"mask must hold only 0 and 1 (True = token takes part), found values such as {bad}; "
+                f"pass a bool mask, e.g. mask > 0.5"
+            )
+    return mask != 0
+
+
+def _check_unit_interval(name: str, x: object) -> None:
+    if isinstance(x, Tensor):
+        if x.numel() != 1 or not x.is_floating_point():
+            raise TypeError(f"{name} must be a Python float or a one-element float tensor, got {x.dtype} {tuple(x.shape)}")
+        if x.device.type != "cpu" or not _checking_values():
+            return
+        value = float(x)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        value = float(x)
+    else:
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(x).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} is outside [0, 1]; discount and trace factors must lie in [0, 1]")
+
+
+def _check_positive(name: str, x: object, *, above: float = 0.0, what: str = "") -> float:
+    if isinstance(x, Tensor) and x.numel() == 1:
+        if x.device.type != "cpu" or not _checking_values():
+            return x  # type: ignore[return-value]
+        value = float(x)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        value = float(x)
+    else:
+        raise TypeError(f"{name} must be a positive float, got {type(x).__name__}")
+    if not (value > above and math.isfinite(value)):
+        raise ValueError(f"{name}={value} must be a finite number > {above}{what}")
+    return value
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half precision is promoted)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+
+
+# --------------------------------------------------------------------------- #
+# Masked statistics
+# --------------------------------------------------------------------------- #
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
+    """Sum of ``x`` over valid positions (NaN at masked positions is ignored).
+
+    Args:
+        x: ``[*B, R]`` float tensor.
+        mask: ``[*B, R]`` bool or {0, 1} tensor, True = take part.
+        dim: dimensions to reduce; all of them when ``None``.
+        keepdim: keep reduced dimensions with size 1.
+
+    Example:
+        >>> import torch
+        >>> masked_sum(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([True, False, True]))
+        tensor(4.)
+    """
+    _check_float("x", x)
+    m = _check_mask(mask, x.shape, "x")
+    _check_same_device(x=x, mask=mask)
+    xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        return xs.sum().reshape([1] * x.dim()) if keepdim else xs.sum()
+    return xs.sum(dim=dim, keepdim=keepdim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
+    """Mean of ``x`` over valid positions: ``sum(x * m) / max(sum(m), 1)``.
+
+    An empty mask (or an empty slice along ``dim``) gives 0. Masked positions
+    may hold NaN or inf; they are never read into the arithmetic.
+
+    Args:
+        x: ``[*B, R]`` float tensor.
+        mask: ``[*B, R]`` bool or {0, 1} tensor.
+        dim: dimensions to reduce; all of them when ``None``.
+        keepdim: keep reduced dimensions with size 1.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 2.0, 9.0], [4.0, float("inf"), 0.0]])
+        >>> m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        >>> masked_mean(x, m)            # (1 + 2 + 4) / 3
+        tensor(2.3333)
+        >>> masked_mean(x, m, dim=-1)    # per row: (1 + 2) / 2 and 4 / 1
+        tensor([1.5000, 4.0000])
+        >>> masked_mean(x, torch.zeros_like(m))
+        tensor(0.)
+    """
+    _check_float("x", x)
+    m = _check_mask(mask, x.shape, "x")
+    _check_same_device(x=x, mask=mask)
+    xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        total, count = xs.sum(), m.sum()
+        out = total / count.clamp(min=1).to(x.dtype)
+        return out.reshape([1] * x.dim()) if keepdim else out
+    total = xs.sum(dim=dim, keepdim=keepdim)
+    count = m.sum(dim=dim, keepdim=keepdim)
+    return total / count.clamp(min=1).to(x.dtype)
+
+
+def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
+    """Variance of ``x`` over all valid positions (a scalar).
+
+    ``var = sum(m * (x - mean)^2) / n`` (biased, MiniMind's default) or
+    ``/ (n - 1)`` with ``unbiased=True``. Fewer than one valid token (two when
+    unbiased) gives 0.
+
+    Args:
+        x: ``[*B, R]`` float tensor.
+        mask: ``[*B, R]`` bool or {0, 1} tensor.
+        unbiased: use Bessel's correction.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 3.0, 100.0])
+        >>> m = torch.tensor([True, True, False])
+        >>> masked_var(x, m)                 # mean 2, ((1-2)^2 + (3-2)^2) / 2
+        tensor(1.)
+        >>> masked_var(x, m, unbiased=True)  # ... / (2 - 1)
+        tensor(2.)
+    """
+    _check_float("x", x)
+    m = _check_mask(mask, x.shape, "x")
+    _check_same_device(x=x, mask=mask)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    n = m.sum().to(x.dtype)
+    mean = torch.where(m, x, zero).sum() / n.clamp(min=1)
+    sq = torch.where(m, (x - mean) ** 2, zero).sum()
+    if unbiased:
+        return sq / (n - 1).clamp(min=1)
+    return sq / n.clamp(min=1)
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = False, eps: float = 1e-8
+) -> Tensor:
+    """Whiten ``x`` with the mean and variance of its valid positions.
+
+    ``(x - mean) * rsqrt(var + eps)`` with the statistics over every valid
+    token of the whole batch (biased variance by default, as in MiniMind).
+    With ``shift_mean=False`` the mean is added back (TRL's option): only the
+    scale changes. Masked positions of the output are exactly 0.
+
+    Args:
+        x: ``[*B, R]`` float tensor.
+        mask: ``[*B, R]`` bool or {0, 1} tensor.
+        shift_mean: subtract the mean (True) or keep it.
+        unbiased: Bessel-corrected variance.
+        eps: added to the variance before the square root.
+
+    Returns:
+        ``[*B, R]`` tensor of ``x``'s dtype.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 3.0, float("nan")]])
+        >>> masked_whiten(x, torch.tensor([[True, True, False]]))  # mean 2, var 1
+        tensor([[-1.,  1.,  0.]])
+    """
+    _check_float("x", x)
+    m = _check_mask(mask, x.shape, "x")
+    _check_positive("eps", eps)
+    cd = _compute_dtype(x)
+    xf = x.to(cd)
+    mean = masked_mean(xf, m)
+    var = masked_var(xf, m, unbiased=unbiased)
+    out = (xf - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, torch.zeros((), dtype=cd, device=x.device)).to(x.dtype)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of the returns' variance the critic explains, over valid tokens.
+
+    ``1 - var(R - V) / var(R)``: 1 is a perfect critic, 0 no better than a
+    constant, negative worse than one. 0 when ``var(R) == 0`` or the mask is
+    empty (never NaN). Returned detached.
+
+    Args:
+        values: ``[*B, R]`` critic values ``V``.
+        returns: ``[*B, R]`` value targets ``R``.
+        mask: ``[*B, R]`` bool or {0, 1} tensor.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        >>> explained_variance(r, r, torch.ones(4, dtype=torch.bool))
+        tensor(1.)
+        >>> explained_variance(torch.zeros(4), r, torch.ones(4, dtype=torch.bool))
+        tensor(0.)
+    """
+    _check_float("values", values)
+    _check_float("returns", returns)
+    _check_same_shape("values", values, returns=returns)
+    m = _check_mask(mask, values.shape, "values")
+    _check_same_device(values=values, returns=returns, mask=mask)
+    cd = _compute_dtype(values, returns)
+    v, r = values.detach().to(cd), returns.detach().to(cd)
+    var_r = masked_var(r, m)
+    var_res = masked_var(r - torch.where(m, v, 0.0), m)
+    safe = torch.where(var_r > 0, var_r, torch.ones_like(var_r))
+    return torch.where(var_r > 0, 1.0 - var_res / safe, torch.zeros_like(var_r))
+
+
+# --------------------------------------------------------------------------- #
+# Log-probabilities of the response tokens  (MiniMind 1: positions)
+# --------------------------------------------------------------------------- #
+
+
+def response_logp_positions(prompt_lens: Tensor, response_len: int) -> Tensor:
+    """Positions of the logits that predict each response token (*MiniMind*).
+
+    With a prompt of ``P_b`` tokens followed by the response, response token
+    ``j`` sits at index ``P_b + j`` of the sequence and is predicted by the
+    logits at index ``P_b - 1 + j``. So ``positions[b, j] = prompt_lens[b] - 1 + j``,
+    MiniMind's ``logp_pos``.
+
+    Args:
+        prompt_lens: ``[B]`` integer tensor, prompt length of each row (>= 1).
+        response_len: ``R``, the (padded) response length, >= 1.
+
+    Returns:
+        ``[B, R]`` int64 tensor on the device of ``prompt_lens``.
+
+    Example:
+        >>> import torch
+        >>> response_logp_positions(torch.tensor([3, 1]), 4)
+        tensor([[2, 3, 4, 5],
+                [0, 1, 2, 3]])
+    """
+    _check_tensor("prompt_lens", prompt_lens)
+    if prompt_lens.dim() != 1:
+        raise ValueError(f"prompt_lens must be 1-D [B], got shape {tuple(prompt_lens.shape)}")
+    if prompt_lens.is_floating_point() or prompt_lens.dtype == torch.bool or prompt_lens.is_complex():
+        raise TypeError(f"prompt_lens must be an integer tensor, got dtype {prompt_lens.dtype}; use .long()")
+    if isinstance(response_len, bool) or not isinstance(response_len, int):
+        raise TypeError(f"response_len must be an int, got {type(response_len).__name__}")
+    if response_len < 1:
+        raise ValueError(f"response_len={response_len} must be >= 1: there is no response token to score")
+    if _checking_values() and prompt_lens.numel() > 0 and bool((prompt_lens < 1).any()):
+        raise ValueError(
+            f"prompt_lens must be >= 1 (the first response token needs a token before it), "
+            f"got min {int(prompt_lens.min())}"
+        )
+    j = torch.arange(response_len, device=prompt_lens.device)
+    return prompt_lens.long().unsqueeze(1) - 1 + j
+
+
+def response_log_probs(
+    logits: Tensor,
+    input_ids: Tensor,
+    prompt_lens: Tensor,
+    response_len: int,
+    *,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities (and entropies) of the response tokens.
+
+    ``logp[b, j] = log_softmax(logits[b, p])[input_ids[b, p + 1]]`` with
+    ``p = prompt_lens[b] - 1 + j`` (:func:`response_logp_positions`); equal
+    to MiniMind's ``log_softmax(logits[:, :-1]).gather(labels).gather(logp_pos)``.
+    Computed in float32 even for half-precision logits, without a full
+    ``[B, T, V]`` float32 log-softmax: rows are processed in chunks.
+    ``entropy[b, j] = -sum_v p_v log p_v`` of the same distribution.
+
+    Args:
+        logits: ``[B, T, V]`` float logits of the whole sequence.
+        input_ids: ``[B, T]`` integer token ids (prompt then response).
+        prompt_lens: ``[B]`` prompt lengths.
+        response_len: ``R``; requires ``prompt_lens[b] + R <= T``.
+        return_entropy: also return the ``[B, R]`` entropies.
+        chunk_size: rows (positions) per chunk; ``None`` picks one.
+
+    Returns:
+        ``[B, R]`` float32 log-probs, or ``(logp, entropy)``.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.zeros(1, 4, 8)                  # uniform over 8 tokens
+        >>> ids = torch.tensor([[5, 1, 2, 3]])             # prompt [5], response [1, 2, 3]
+        >>> logp, ent = response_log_probs(logits, ids, torch.tensor([1]), 3, return_entropy=True)
+        >>> logp                                           # log(1/8)
+        tensor([[-2.0794, -2.0794, -2.0794]])
+        >>> ent                                            # log(8)
+        tensor([[2.0794, 2.0794, 2.0794]])
+    """
+    _check_float("logits", logits)
+    _check_tensor("input_ids", input_ids)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)} but logits has shape {tuple(logits.shape)}; "
+            f"input_ids must be [B, T] with the B and T of logits"
+        )
+    _check_same_device(logits=logits, input_ids=input_ids, prompt_lens=prompt_lens)
+    if prompt_lens.shape != logits.shape[:1]:
+        raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{logits.shape[0]}]")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    positions = response_logp_positions(prompt_lens, response_len)
+    T = logits.shape[1]
+    if _checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
+        worst = int(prompt_lens.max())
+        raise ValueError(
+            f"positions outside the sequence: prompt_lens up to {worst} with response_len={response_len} "
+            f"needs T >= {worst + response_len}, but logits/input_ids have T={T}; pad the sequences or "
+            f"shorten response_len"
+        )
+    targets = input_ids.gather(1, positions + 1)
+    from ppo_objectives._logprobs import gathered_log_probs
+
+    logp, entropy = gathered_log_probs(
+        logits, positions, targets, return_entropy=return_entropy, chunk_size=chunk_size
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+# --------------------------------------------------------------------------- #
+# Masked GAE  (MiniMind 2)
+# --------------------------------------------------------------------------- #
+
+
+def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
+    """Validate the GAE arguments; return flat ``[N, R]`` compute-dtype tensors."""
+    _check_float("token_rewards", token_rewards)
+    _check_float("values", values)
+    _check_same_shape("token_rewards", token_rewards, values=values)
+    if token_rewards.dim() < 1:
+        raise ValueError("token_rewards must have a time axis: shape [*B, R], got a scalar")
+    m = _check_mask(mask, token_rewards.shape, "token_rewards")
+    _check_unit_interval("gamma", gamma)
+    _check_unit_interval("lam", lam)
+    _check_same_device(token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value)
+    batch_shape = token_rewards.shape[:-1]
+    if bootstrap_value is not None:
+        _check_float("bootstrap_value", bootstrap_value)
+        if bootstrap_value.shape != batch_shape:
+            raise ValueError(
+                f"bootstrap_value has shape {tuple(bootstrap_value.shape)} but must be [*B] = {tuple(batch_shape)}: "
+                f"one value per row, used after that row's last valid token (pass 0 for rows that terminated)"
+            )
+    cd = _compute_dtype(token_rewards, values, *(() if bootstrap_value is None else (bootstrap_value,)))
+    R = token_rewards.shape[-1]
+    r = token_rewards.to(cd).reshape(-1, R)
+    v = values.to(cd).reshape(-1, R)
+    boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
+    if isinstance(gamma, Tensor):
+        gamma = gamma.to(cd).reshape(())
+    if isinstance(lam, Tensor):
+        lam = lam.to(cd).reshape(())
+    return r, v, m.reshape(-1, R), gamma, lam, boot, cd
+
+
+def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype):
+    """Returns = raw advantages + values; whiten the advantages; zero masked positions."""
+    zero = torch.zeros((), dtype=adv_raw.dtype, device=adv_raw.device)
+    returns = torch.where(m, adv_raw + v, zero)
+    adv = masked_whiten(adv_raw, m) if normalize else adv_raw
+    return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
+
+
+def masked_gae_reference(
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    normalize: bool = True,
+    bootstrap_value: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The readable loop version of :func:`masked_gae` (same semantics, same outputs).
+
+    A backward loop over time that carries, per row, the value and the
+    advantage of the next *valid* token and leaves masked positions alone::
+
+        next_v, next_a = bootstrap (or 0), 0
+        for t = R-1 .. 0:
+            if mask[t]:
+                delta  = r[t] + gamma * next_v - v[t]
+                A[t]   = delta + gamma * lam * next_a
+                next_v, next_a = v[t], A[t]
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 0.0, 1.0]])
+        >>> v = torch.zeros(1, 3)
+        >>> m = torch.ones(1, 3, dtype=torch.bool)
+        >>> masked_gae_reference(r, v, m, 1.0, 0.5, normalize=False)[0]  # 1 * 0.5^k back from the end
+        tensor([[0.2500, 0.5000, 1.0000]])
+    """
+    out_dtype = values.dtype if isinstance(values, Tensor) else None
+    r, v, m, gamma, lam, boot, cd = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
+    N, R = r.shape
+    next_v = torch.zeros(N, dtype=cd, device=r.device) if boot is None else boot
+    next_a = torch.zeros(N, dtype=cd, device=r.device)
+    adv = torch.zeros_like(r)
+    for t in range(R - 1, -1, -1):
+        valid = m[:, t]
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        a = delta + gamma * lam * next_a
+        adv[:, t] = torch.where(valid, a, 0.0)
+        next_v = torch.where(valid, v[:, t], next_v)
+        next_a = torch.where(valid, a, next_a)
+    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype)
+
+
+def masked_gae(
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    normalize: bool = True,
+    bootstrap_value: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the valid tokens of each row (*MiniMind*).
+
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation" (arXiv:1506.02438)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        returns = A (raw, before whitening) + V
+
+    Our masked semantics: the recursion runs over the valid tokens of a row
+    only, so ``t + 1`` means "the next valid token". Holes (left padding,
+    tool or user tokens inside a response) are skipped, and rewards or values
+    there are never read (garbage and NaN are fine). After the last valid
+    token the next value is 0 (terminal), or ``bootstrap_value[b]`` for a
+    row cut short (truncated). Then, with ``normalize=True``, the advantages
+    are whitened over the valid tokens of the whole batch with the biased
+    variance, ``(A - mean) * rsqrt(var + 1e-8)`` (:func:`masked_whiten`).
+    Outputs are exactly 0 at masked positions. With right padding and zero
+    rewards and values at padding this is MiniMind's loop exactly.
+
+    Args:
+        token_rewards: ``[*B, R]`` per-token rewards.
+        values: ``[*B, R]`` critic values ``V_t``.
+        mask: ``[*B, R]`` bool or {0, 1}, True = token takes part.
+        gamma: discount in [0, 1] (MiniMind: 1.0).
+        lam: GAE lambda in [0, 1] (MiniMind: 0.95).
+        normalize: whiten the advantages (returns always use the raw ones).
+        bootstrap_value: ``[*B]`` value after the last valid token of each
+            row (0 for rows that terminated); ``None`` means all terminated.
+        backend: ``"auto"`` (fastest available), ``"torch"`` (vectorised),
+            ``"triton"`` (CUDA kernel) or ``"loop"`` (:func:`masked_gae_reference`).
+
+    Returns:
+        ``(advantages, returns)``, both ``[*B, R]`` in the dtype of ``values``.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+        >>> v = torch.tensor([[0.5, 0.5, 0.5, float("nan")]])  # last token is padding
+        >>> m = torch.tensor([[1, 1, 1, 0]])
+        >>> adv, ret = masked_gae(r, v, m, gamma=1.0, lam=1.0, normalize=False)
+        >>> adv                                      # reward-to-go minus value
+        tensor([[0.5000, 0.5000, 0.5000, 0.0000]])
+        >>> ret
+        tensor([[1., 1., 1., 0.]])
+    """
+    from ppo_objectives import _gae_fast
+
+    if not isinstance(backend, str) or backend not in _gae_fast.BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {_gae_fast.BACKENDS}")
+    out_dtype = values.dtype if isinstance(values, Tensor) else None
+    r, v, m, gamma_, lam_, boot, _ = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
+    chosen = _gae_fast.select_backend(r.device, backend)
+    if chosen == "loop":
+        return masked_gae_reference(
+            token_rewards, values, mask, gamma, lam, normalize=normalize, bootstrap_value=bootstrap_value
+        )
+    kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
+    adv = kernel(r, v, m, gamma_, lam_, boot)
+    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# Loss aggregation
+# --------------------------------------------------------------------------- #
+
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """Reduce a per-token loss ``[*B, R]`` to a scalar over the valid tokens.
+
+    Modes (the names verl uses):
+
+    - ``"token-mean"``: ``sum(L * m) / sum(m)``, every valid token weighs the
+      same (MiniMind, the default).
+    - ``"seq-mean-token-mean"``: mean over tokens within each sequence, then
+      mean over the sequences that have at least one valid token.
+    - ``"seq-mean-token-sum"``: sum over tokens within each sequence, then mean
+      over sequences with at least one valid token.
+    - ``"seq-mean-token-sum-norm"``: sum over all valid tokens divided by
+      ``num_sequences * R`` (a constant normaliser, as in Dr. GRPO,
+      Liu et al. 2025, arXiv:2503.20783), so long answers are not down-weighted.
+
+    Sequences are the rows of the flattened leading dims. An empty mask gives 0.
+
+    Args:
+        per_token: ``[*B, R]`` float per-token loss.
+        mask: ``[*B, R]`` bool or {0, 1}.
+        mode: one of the four modes above.
+
+    Example:
+        >>> import torch
+        >>> L = torch.tensor([[1.0, 3.0], [6.0, 0.0]])
+        >>> m = torch.tensor([[1, 1], [1, 0]])
+        >>> aggregate_loss(L, m)                           # (1 + 3 + 6) / 3
+        tensor(3.3333)
+        >>> aggregate_loss(L, m, "seq-mean-token-mean")    # (2 + 6) / 2
+        tensor(4.)
+        >>> aggregate_loss(L, m, "seq-mean-token-sum")     # (4 + 6) / 2
+        tensor(5.)
+        >>> aggregate_loss(L, m, "seq-mean-token-sum-norm")  # 10 / (2 * 2)
+        tensor(2.5000)
+    """
+    _check_float("per_token", per_token)
+    _check_mode(mode)
+    m = _check_mask(mask, per_token.shape, "per_token")
+    if per_token.dim() < 1:
+        raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
+    if mode == "token-mean":
+        return masked_mean(per_token, m)
+    R = per_token.shape[-1]
+    flat, fm = per_token.reshape(-1, R), m.reshape(-1, R)
+    seq_sum = masked_sum(flat, fm, dim=-1)
+    if mode == "seq-mean-token-sum-norm":
+        return seq_sum.sum() / max(flat.shape[0] * R, 1)
+    has_tokens = fm.any(-1)
+    if mode == "seq-mean-token-mean":
+        seq = seq_sum / fm.sum(-1).clamp(min=1).to(per_token.dtype)
+    else:
+        seq = seq_sum
+    return masked_mean(seq, has_tokens)
+
+
+# --------------------------------------------------------------------------- #
+# Clipped policy loss  (MiniMind 3)
+# --------------------------------------------------------------------------- #
+
+
+def ppo_policy_loss(
+    new_logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_epsilon: float,
+    *,
+    clip_epsilon_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate objective, as a loss to minimise (*MiniMind*).
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms"
+    (arXiv:1707.06347)::
+
+        ratio = exp(new_logps - old_logps)
+        L_t   = max(-A_t * ratio, -A_t * clamp(ratio, 1 - eps_low, 1 + eps_high))
+
+    aggregated over valid tokens (token mean by default, :func:`aggregate_loss`).
+    No KL term inside: add :func:`reference_kl_penalty` yourself (MiniMind adds
+    ``kl_coef * kl_ref`` to this loss).
+
+    Options beyond MiniMind:
+
+    - ``clip_epsilon_high``: an upper clip different from the lower one
+      ("clip-higher", DAPO, Yu et al. 2025, arXiv:2503.14476).
+    - ``dual_clip``: a constant ``c > 1``; where ``A < 0`` the loss is capped at
+      ``-c * A`` (Ye et al. 2020, arXiv:1912.09729), so a huge ratio on a bad
+      action cannot blow up the loss.
+
+    Args:
+        new_logps: ``[*B, R]`` log-probs under the policy being optimised.
+        old_logps: ``[*B, R]`` log-probs under the policy that sampled.
+        advantages: ``[*B, R]`` (typically whitened) advantages.
+        mask: ``[*B, R]`` bool or {0, 1}.
+        clip_epsilon: ``eps_low`` > 0 (MiniMind: 0.2), also the upper one unless
+            ``clip_epsilon_high`` is given.
+        clip_epsilon_high: optional ``eps_high`` > 0.
+        dual_clip: optional ``c > 1``.
+        loss_agg_mode: see :func:`aggregate_loss`.
+        return_stats: also return a dict of detached, masked diagnostics:
+            ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
+            ``clipfrac``), ``clip_fraction_low``, ``clip_fraction_high``,
+            ``approx_kl`` (:func:`approx_kl`), ``ratio_mean``, ``ratio_max``,
+            ``ess`` (normalised effective sample size of the ratios,
+            ``(sum w)^2 / (n sum w^2)``, 1 when all ratios are equal) and
+            ``dual_clip_fraction``.
+
+    Returns:
+        scalar loss (float32, or float64 for float64 inputs), or ``(loss, stats)``.
+
+    Example:
+        >>> import torch
+        >>> new = torch.log(torch.tensor([[1.5, 1.0, 0.5]]))   # ratios 1.5, 1.0, 0.5
+        >>> old = torch.zeros(1, 3)
+        >>> adv = torch.tensor([[1.0, 1.0, -1.0]])
+        >>> m = torch.ones(1, 3, dtype=torch.bool)
+        >>> # max(-1.5, -1.2) = -1.2;  max(-1, -1) = -1;  max(0.5, 0.8) = 0.8;  mean = -1.4 / 3
+        >>> ppo_policy_loss(new, old, adv, m, 0.2)
+        tensor(-0.4667)
+        >>> loss, stats = ppo_policy_loss(new, old, adv, m, 0.2, return_stats=True)
+        >>> stats["clip_fraction"], stats["clip_fraction_high"], stats["clip_fraction_low"]
+        (tensor(0.6667), tensor(0.3333), tensor(0.3333))
+    """
+    for name, t in (("new_logps", new_logps), ("old_logps", old_logps), ("advantages", advantages)):
+        _check_float(name, t)
+    _check_same_shape("new_logps", new_logps, old_logps=old_logps, advantages=advantages)
+    m = _check_mask(mask, new_logps.shape, "new_logps")
+    _check_same_device(new_logps=new_logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    eps_low = _check_positive("clip_epsilon", clip_epsilon)
+    eps_high = eps_low if clip_epsilon_high is None else _check_positive("clip_epsilon_high", clip_epsilon_high)
+    if dual_clip is not None:
+        dual_clip = _check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
+    _check_mode(loss_agg_mode)
+    cd = _compute_dtype(new_logps, old_logps, advantages)
+    zero = torch.zeros((), dtype=cd, device=new_logps.device)
+    log_ratio = torch.where(m, new_logps.to(cd) - old_logps.to(cd), zero)
+    adv = torch.where(m, advantages.to(cd), zero)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
+    loss = aggregate_loss(per_token, m, loss_agg_mode)
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        r = ratio.detach()
+        low, high = r < 1.0 - eps_low, r > 1.0 + eps_high
+        fm = lambda b: masked_mean(b.to(cd), m)  # noqa: E731 - fraction of valid tokens
+        n = m.sum().to(cd)
+        sum_w = torch.where(m, r, zero).sum()
+        sum_w2 = torch.where(m, r * r, zero).sum()
+        ess = torch.where(n > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(cd).tiny), zero)
+        if dual_clip is not None:
+            dual = (adv < 0) & (-adv * dual_clip < torch.maximum(unclipped, clipped))
+        else:
+            dual = torch.zeros_like(m)
+        stats = {
+            "clip_fraction": fm(low | high),
+            "clip_fraction_low": fm(low),
+            "clip_fraction_high": fm(high),
+            "dual_clip_fraction": fm(dual),
+            "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
+            "ratio_mean": masked_mean(r, m),
+            "ratio_max": torch.where(m.any(), torch.where(m, r, zero).max(), zero),
+            "ess": ess,
+        }
+    return loss, stats
+
+
+def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
+    """MiniMind's early-stop signal: masked mean of ``0.5 * (new - old)^2`` (the k2 estimator).
+
+    Returned detached. Shapes ``[*B, R]``.
+
+    Example:
+        >>> import torch
+        >>> approx_kl(torch.tensor([0.0, -2.0]), torch.tensor([-1.0, -2.0]), torch.tensor([True, True]))
+        tensor(0.2500)
+    """
+    _check_float("new_logps", new_logps)
+    _check_float("old_logps", old_logps)
+    _check_same_shape("new_logps", new_logps, old_logps=old_logps)
+    m = _check_mask(mask, new_logps.shape, "new_logps")
+    _check_same_device(new_logps=new_logps, old_logps=old_logps, mask=mask)
+    cd = _compute_dtype(new_logps, old_logps)
+    d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
+    return masked_mean(0.5 * d * d, m)
+
+
+# --------------------------------------------------------------------------- #
+# Reference KL  (MiniMind 4)
+# --------------------------------------------------------------------------- #
+
+
+def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clamp: float | None = None) -> Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
+
+    Schulman 2020, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html).
+    With ``d = ref_logps - logps = log(pi_ref / pi)``:
+
+    - ``"k1"``: ``-d``, unbiased, high variance, can be negative (the in-reward choice);
+    - ``"k2"``: ``d^2 / 2``, biased, low variance, gradient of a proper divergence;
+    - ``"k3"``: ``exp(d) - d - 1``, unbiased, low variance, always >= 0 (MiniMind);
+    - ``"k3+"``: the value of k3 with the gradient of k2 (straight-through:
+      ``k2 + stop_grad(k3 - k2)``), since k3's own gradient is a biased
+      estimate of the KL gradient when used as a loss.
+
+    ``clamp`` limits the estimate to ``[-clamp, clamp]`` (verl's low-var-KL
+    uses 10). Computed in float32 or better; returned in that dtype.
+
+    Args:
+        logps: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
+        ref_logps: ``[*B, R]`` log-probs of the same tokens under ``pi_ref``.
+        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"``.
+        clamp: optional positive bound.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.log(torch.tensor([0.5]))
+        >>> ref = torch.log(torch.tensor([0.25]))   # d = log(0.5) = -0.6931
+        >>> [round(float(kl_estimate(lp, ref, e)), 4) for e in ("k1", "k2", "k3")]
+        [0.6931, 0.2402, 0.1931]
+    """
+    _check_float("logps", logps)
+    _check_float("ref_logps", ref_logps)
+    _check_same_shape("logps", logps, ref_logps=ref_logps)
+    _check_same_device(logps=logps, ref_logps=ref_logps)
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+    if clamp is not None:
+        clamp = _check_positive("clamp", clamp)
+    cd = _compute_dtype(logps, ref_logps)
+    d = ref_logps.to(cd) - logps.to(cd)
+    if estimator == "k1":
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        k3 = torch.expm1(d) - d
+        if estimator == "k3":
+            kl = k3
+        else:
+            k2 = 0.5 * d * d
+            kl = k2 + (k3 - k2).detach()
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+def reference_kl_penalty(
+    policy_logps: Tensor,
+    ref_logps: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str = "k3",
+    clamp: float | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> Tensor:
+    """Masked mean of the per-token KL to the reference policy (*MiniMind*).
+
+    Default: MiniMind's k3, ``mean over valid tokens of exp(d) - d - 1`` with
+    ``d = ref_logps - policy_logps``. Other estimators and aggregation modes
+    via :func:`kl_estimate` and :func:`aggregate_loss`. Garbage at masked
+    positions is never read.
+
+    Args:
+        policy_logps: ``[*B, R]`` log-probs under the current policy (carries the gradient).
+        ref_logps: ``[*B, R]`` log-probs under the frozen reference.
+        mask: ``[*B, R]`` bool or {0, 1}.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
+        clamp: optional bound on the per-token estimate.
+        loss_agg_mode: see :func:`aggregate_loss`.
+
+    Example:
+        >>> import torch
+        >>> pol = torch.log(torch.tensor([[0.5, 0.5]]))
+        >>> ref = torch.log(torch.tensor([[0.25, 0.5]]))
+        >>> reference_kl_penalty(pol, ref, torch.tensor([[1, 1]]))  # (0.1931 + 0) / 2
+        tensor(0.0966)
+    """
+    _check_float("policy_logps", policy_logps)
+    _check_float("ref_logps", ref_logps)
+    _check_same_shape("policy_logps", policy_logps, ref_logps=ref_logps)
+    m = _check_mask(mask, policy_logps.shape, "policy_logps")
+    _check_same_device(policy_logps=policy_logps, ref_logps=ref_logps, mask=mask)
+    _check_mode(loss_agg_mode)
+    zero = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
+    safe_pol = torch.where(m, policy_logps, zero)
+    safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
+    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp)
+    return aggregate_loss(kl, m, loss_agg_mode)
+
+
+# --------------------------------------------------------------------------- #
+# Clipped value loss  (MiniMind 5)
+# --------------------------------------------------------------------------- #
+
+
+def clipped_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cliprange_value: float,
+    *,
+    loss_agg_mode: str = "token-mean",
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss (*MiniMind*)::
+
+        V_clip = clamp(V, V_old - c, V_old + c)
+        L_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    aggregated over valid tokens (token mean by default). The critic may move
+    its estimate at most ``c`` from the rollout's before the gradient of the
+    pessimistic branch vanishes.
+
+    Args:
+        values: ``[*B, R]`` current critic values ``V`` (carry the gradient).
+        old_values: ``[*B, R]`` values at rollout time ``V_old``.
+        returns: ``[*B, R]`` value targets ``R`` (raw advantages + old values).
+        mask: ``[*B, R]`` bool or {0, 1}.
+        cliprange_value: ``c`` > 0 (MiniMind: 0.2).
+        loss_agg_mode: see :func:`aggregate_loss`.
+        return_stats: also return ``{"value_clip_fraction": ...}``, the fraction
+            of valid tokens whose clipped branch is the larger (its gradient is 0).
+
+    Example:
+        >>> import torch
+        >>> V, V_old, R = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+        >>> # token 0: max((1-0)^2, (0.2-0)^2) = 1;  token 1: max((0-1)^2, (0-1)^2) = 1;  0.5 * mean = 0.5
+        >>> clipped_value_loss(V, V_old, R, torch.tensor([[1, 1]]), 0.2)
+        tensor(0.5000)
+    """
+    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
+        _check_float(name, t)
+    _check_same_shape("values", values, old_values=old_values, returns=returns)
+    m = _check_mask(mask, values.shape, "values")
+    _check_same_device(values=values, old_values=old_values, returns=returns, mask=mask)
+    c = _check_positive("cliprange_value", cliprange_value)
+    _check_mode(loss_agg_mode)
+    cd = _compute_dtype(values, old_values, returns)
+    zero = torch.zeros((), dtype=cd, device=values.device)
+    v = torch.where(m, values.to(cd), zero)
+    v_old = torch.where(m, old_values.to(cd), zero)
+    ret = torch.where(m, returns.to(cd), zero)
+    v_clip = torch.clamp(v, v_old - c, v_old + c)
+    unclipped = (v - ret) ** 2
+    clipped = (v_clip - ret) ** 2
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
+    loss = aggregate_loss(per_token, m, loss_agg_mode)
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        frac = masked_mean((clipped > unclipped).to(cd), m)
+    return loss, {"value_clip_fraction": frac}
