@@ -431,7 +431,7 @@ def response_log_probs(
         chunk_size: rows (positions) per chunk; ``None`` picks one.
 
     Returns:
-        ``[B, R]`` float32 log-probs, or ``(logp, entropy)``.
+        ``[B, R]`` log-probs in float32 (float64 for float64 logits), or ``(logp, entropy)``.
 
     Example:
         >>> import torch
