@@ -1,0 +1,545 @@
+"""TokenPPOLoss: TorchRL's ``LossModule`` interface over the PPO functions of :mod:`ppo_objectives.functional`.
+
+Shape letters (used in every docstring below):
+
+- ``B``: batch dimensions (one sampled response per row), written ``*B`` when several.
+- ``R``: the response length (tokens the policy generated, padded).
+
+Per-token entries may be stored ``[*B, R]`` (LLM layout) or ``[*B, R, 1]``
+(TorchRL's per-step layout); both are adapted at the module edge and nothing
+is broadcast: an entry of any other shape (a per-sequence advantage ``[B]``,
+say) is an error that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, TensorDictParams
+from tensordict.nn import TensorDictModule, dispatch
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives import LossModule
+from torchrl.objectives.utils import ValueEstimators, dispatch_value_estimator
+from torchrl.objectives.value import ValueEstimatorBase
+
+from ppo_objectives import functional as F
+from ppo_objectives.value import MaskedGAE, _time_last
+
+__all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
+
+#: MiniMind's PPO hyper-parameters (``trainer/train_ppo.py``), as :meth:`TokenPPOLoss.minimind` sets them.
+MINIMIND_PPO_DEFAULTS: dict[str, Any] = {
+    "clip_epsilon": 0.2,  # --clip_epsilon: ratio clipped to [0.8, 1.2]
+    "critic_coeff": 0.5,  # --vf_coef: weight of the (0.5 * squared error) value loss
+    "kl_coeff": 0.02,  # --kl_coef: weight of the k3 reference KL added to the policy loss
+    "kl_estimator": "k3",  # exp(d) - d - 1, d = ref_logp - logp
+    "clip_value": 0.2,  # --cliprange_value: V may move 0.2 from the rollout value
+    "entropy_coeff": 0.0,  # no entropy bonus
+    "loss_agg_mode": "token-mean",  # masked mean over all valid tokens of the minibatch
+    "normalize_advantage": False,  # whitened once per rollout, in GAE (average_gae=True)
+    "early_stop_kl": 0.25,  # --early_stop_kl: stop the PPO epochs when kl_approx exceeds it
+    "gamma": 1.0,  # --gamma
+    "lmbda": 0.95,  # --lam
+}
+
+_ESTIMATOR_KEYS = ("advantage", "value_target", "value", "reward", "done", "terminated", "truncated", "mask")
+
+
+def _clip_pair(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]:
+    if isinstance(clip_epsilon, (tuple, list)):
+        if len(clip_epsilon) != 2:
+            raise ValueError(
+                f"clip_epsilon={clip_epsilon!r}: give one float (symmetric) or a pair (eps_low, eps_high)"
+            )
+        low, high = clip_epsilon
+    else:
+        low = high = clip_epsilon
+    return F._check_positive("clip_epsilon (low)", low), F._check_positive("clip_epsilon (high)", high)
+
+
+class TokenPPOLoss(LossModule):
+    """Token-level clipped PPO with a critic and a reference-KL penalty, for language models.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347),
+    per response token ``t`` with ``ratio_t = exp(log_prob_t - sample_log_prob_t)``::
+
+        loss_objective = agg( max(-A_t ratio_t, -A_t clamp(ratio_t, 1 - eps_low, 1 + eps_high)) )
+        loss_critic    = critic_coeff * agg( 0.5 max((V_t - G_t)^2, (clamp(V_t, V_old +- c) - G_t)^2) )
+        loss_kl_ref    = kl_coeff * agg( KL_est(log_prob_t, ref_log_prob_t) )      (k3 by default)
+        loss_entropy   = -entropy_coeff * agg( H_t )
+
+    ``agg`` is the masked aggregation :func:`ppo_objectives.functional.aggregate_loss`
+    (token mean by default). Summing the ``loss_*`` entries gives MiniMind's total
+    loss (``policy_loss + kl_coef * kl_ref + vf_coef * value_loss``). The arithmetic
+    is :func:`~ppo_objectives.functional.ppo_policy_loss`,
+    :func:`~ppo_objectives.functional.clipped_value_loss` and
+    :func:`~ppo_objectives.functional.reference_kl_penalty`.
+
+    **Networks.** ``actor_network`` is a TensorDict module that reads the token
+    entries it needs (e.g. ``"tokens"``, ``"prompt_lens"``) and writes
+    ``"log_prob"`` ``[B, R]``, the log-probability of each response token under
+    the current policy, and optionally ``"entropy"`` ``[B, R]``. ``critic_network``
+    reads the same kind of entries and writes ``"state_value"`` ``[B, R]``. Both
+    run once per call; the input entries are treated as constants (detached).
+
+    Keys read (names via :meth:`set_keys`; per-token tensors ``[*B, R]`` or ``[*B, R, 1]``):
+
+    ======================== =================================================================
+    key (field)              meaning
+    ======================== =================================================================
+    ``"tokens"`` tokens      token ids; read by the networks (listed in ``in_keys``)
+    ``"mask"`` mask          response tokens that take part (bool or {0, 1}); optional
+    ``"sample_log_prob"``    log-probs under the sampling policy (required)
+    ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_coeff > 0)
+    ``"advantage"``          per-token advantages; computed by the value estimator when absent
+    ``"value_target"``       returns ``G_t`` for the critic (required with a critic)
+    ``"state_value"`` value  critic values at rollout time ``V_old`` (required when clip_value)
+    ``"log_prob"``           written by the actor network (field ``log_prob``)
+    ``"entropy"``            optionally written by the actor network (field ``entropy``)
+    ======================== =================================================================
+
+    Output: a TensorDict with no batch dimension holding
+
+    * ``loss_objective``, ``loss_critic`` (with a critic), ``loss_kl_ref``, ``loss_entropy``
+      (0 when there is no entropy bonus): the terms to sum and backpropagate;
+    * detached diagnostics, every one masked to the valid tokens: ``clip_fraction``,
+      ``clip_fraction_low``, ``clip_fraction_high`` (ratio outside the clip range),
+      ``kl_approx`` (mean of ``0.5 (log_prob - sample_log_prob)^2``, MiniMind's early-stop
+      signal, see ``early_stop_kl``), ``ratio_mean``, ``ratio_max``, ``ESS`` (normalised
+      effective sample size of the ratios, in (0, 1]), ``kl_ref`` (the aggregated
+      reference KL, when ``ref_log_prob`` is given), ``entropy`` (when the actor writes
+      it), ``value_clip_fraction`` (tokens whose clipped value branch is active),
+      ``explained_variance`` of the returns by the current critic, and
+      ``dual_clip_fraction`` when ``dual_clip`` is set.
+
+    Args:
+        actor_network: module writing ``log_prob`` (and optionally ``entropy``).
+        critic_network: module writing ``state_value``; ``None`` for no critic loss.
+
+    Keyword Args:
+        clip_epsilon: ``eps`` (symmetric) or ``(eps_low, eps_high)`` (DAPO clip-higher). Default 0.2.
+        dual_clip: dual-clip constant ``c > 1`` (Ye et al. 2020), or ``None``.
+        critic_coeff: weight of the value loss. Default 0.5 (MiniMind's ``vf_coef``).
+        clip_value: value clip range ``c`` (MiniMind 0.2), or ``None`` for the unclipped loss.
+        kl_coeff: weight of the reference KL. Default 0.02 (MiniMind). 0 disables it.
+        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
+        kl_clamp: optional bound on the per-token KL estimate.
+        entropy_coeff: weight of the entropy bonus. Default 0.
+        entropy_bonus: require an entropy from the actor; default ``entropy_coeff != 0``.
+        loss_agg_mode: ``"token-mean"`` (default), ``"seq-mean-token-mean"``,
+            ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``.
+        normalize_advantage: whiten the advantages over the valid tokens of each call.
+        early_stop_kl: threshold on ``kl_approx`` for stopping the PPO epochs (read by the
+            training loop; the loss itself never stops). ``None`` by default.
+        functional: hold the network parameters as TensorDictParams (TorchRL's default).
+        device: device of the coefficient buffers.
+
+    The default value estimator (used when ``advantage`` is missing) is
+    :class:`~ppo_objectives.value.MaskedGAE` with ``gamma=1.0, lmbda=0.95``;
+    change it with :meth:`make_value_estimator`.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> class Zero(torch.nn.Module):           # log_prob = log(0.5) + w (w = 0), value = u
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(()))
+        ...     def forward(self, tokens):
+        ...         return torch.full(tokens.shape, 0.5).log() + self.w
+        >>> actor = TensorDictModule(Zero(), in_keys=["tokens"], out_keys=["log_prob"])
+        >>> critic = TensorDictModule(Zero(), in_keys=["tokens"], out_keys=["state_value"])
+        >>> td = TensorDict(
+        ...     {
+        ...         "tokens": torch.tensor([[5, 6, 0]]),
+        ...         "mask": torch.tensor([[True, True, False]]),
+        ...         "sample_log_prob": torch.full((1, 3), 0.5).log(),   # ratio 1
+        ...         "ref_log_prob": torch.full((1, 3), 0.5).log(),      # no drift: KL 0
+        ...         "advantage": torch.tensor([[1.0, -1.0, 99.0]]),
+        ...         "value_target": torch.tensor([[0.0, 0.0, 99.0]]),
+        ...         "state_value": torch.zeros(1, 3),
+        ...     },
+        ...     batch_size=[1, 3],
+        ... )
+        >>> loss = TokenPPOLoss(actor, critic, clip_value=None)
+        >>> out = loss(td)
+        >>> round(out["loss_objective"].item(), 4)   # mean(-1 * 1, +1 * 1) over the two valid tokens
+        0.0
+        >>> round(out["loss_critic"].item(), 4)      # 0.5 * 0.5 * mean((log 0.5 - 0)^2)
+        0.1201
+        >>> out["clip_fraction"], out["kl_approx"], out["kl_ref"], out["ESS"]
+        (tensor(0.), tensor(0.), tensor(0.), tensor(1.))
+        >>> sorted(k for k in out.keys() if k.startswith("loss_"))
+        ['loss_critic', 'loss_entropy', 'loss_kl_ref', 'loss_objective']
+    """
+
+    @dataclass
+    class _AcceptedKeys:
+        """Configurable TensorDict keys of :class:`TokenPPOLoss` (set them with :meth:`set_keys`).
+
+        Attributes:
+            tokens: token ids the networks read. Defaults to ``"tokens"``.
+            mask: response tokens that take part. Defaults to ``"mask"``.
+            sample_log_prob: log-probs at sampling time. Defaults to ``"sample_log_prob"``.
+            ref_log_prob: log-probs of the reference policy. Defaults to ``"ref_log_prob"``.
+            advantage: per-token advantages. Defaults to ``"advantage"``.
+            value_target: returns for the critic. Defaults to ``"value_target"``.
+            value: critic values (input: at rollout time; critic output: current).
+                Defaults to ``"state_value"``.
+            log_prob: the actor network's output log-probs. Defaults to ``"log_prob"``.
+            entropy: the actor network's optional output entropy. Defaults to ``"entropy"``.
+            reward: forwarded to the value estimator (read under ``"next"``). Defaults to ``"reward"``.
+            done: forwarded to the value estimator. Defaults to ``"done"``.
+            terminated: forwarded to the value estimator. Defaults to ``"terminated"``.
+            truncated: forwarded to the value estimator. Defaults to ``"truncated"``.
+        """
+
+        tokens: NestedKey = "tokens"
+        mask: NestedKey = "mask"
+        sample_log_prob: NestedKey = "sample_log_prob"
+        ref_log_prob: NestedKey = "ref_log_prob"
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+        value: NestedKey = "state_value"
+        log_prob: NestedKey = "log_prob"
+        entropy: NestedKey = "entropy"
+        reward: NestedKey = "reward"
+        done: NestedKey = "done"
+        terminated: NestedKey = "terminated"
+        truncated: NestedKey = "truncated"
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+    default_value_estimator = MaskedGAE
+    _schedulable_buffers = frozenset(
+        {"clip_epsilon", "clip_epsilon_high", "critic_coeff", "kl_coeff", "entropy_coeff", "clip_value"}
+    )
+
+    actor_network: TensorDictModule
+    critic_network: TensorDictModule | None
+    actor_network_params: TensorDictParams
+    critic_network_params: TensorDictParams
+    target_actor_network_params: TensorDictParams
+    target_critic_network_params: TensorDictParams
+
+    def __init__(
+        self,
+        actor_network: TensorDictModule,
+        critic_network: TensorDictModule | None = None,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        dual_clip: float | None = None,
+        critic_coeff: float = 0.5,
+        clip_value: float | None = 0.2,
+        kl_coeff: float = 0.02,
+        kl_estimator: str = "k3",
+        kl_clamp: float | None = None,
+        entropy_coeff: float = 0.0,
+        entropy_bonus: bool | None = None,
+        loss_agg_mode: str = "token-mean",
+        normalize_advantage: bool = False,
+        early_stop_kl: float | None = None,
+        functional: bool = True,
+        device: torch.device | None = None,
+    ):
+        if actor_network is None:
+            raise TypeError("TokenPPOLoss needs an actor_network that writes per-token 'log_prob'")
+        eps_low, eps_high = _clip_pair(clip_epsilon)
+        if dual_clip is not None:
+            F._check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
+        F._check_mode(loss_agg_mode)
+        if kl_estimator not in F.KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={kl_estimator!r} is not one of {F.KL_ESTIMATORS}")
+        if kl_clamp is not None:
+            F._check_positive("kl_clamp", kl_clamp)
+        if clip_value is not None:
+            F._check_positive("clip_value", clip_value)
+        for name, x in (("critic_coeff", critic_coeff), ("kl_coeff", kl_coeff), ("entropy_coeff", entropy_coeff)):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0:
+                raise ValueError(f"{name}={x!r} must be a float >= 0 (0 switches that term off)")
+        super().__init__()
+        self._functional = functional
+        self._in_keys = None
+        if functional:
+            self.convert_to_functional(actor_network, "actor_network")
+            if critic_network is not None:
+                self.convert_to_functional(critic_network, "critic_network")
+            else:
+                self.critic_network = None
+                self.critic_network_params = None
+        else:
+            self.actor_network = actor_network
+            self.critic_network = critic_network
+            self.actor_network_params = self.critic_network_params = None
+        if device is None:
+            try:
+                device = next(self.parameters()).device
+            except StopIteration:
+                device = torch.get_default_device()
+        self.register_coeff_buffer("clip_epsilon", eps_low, device=device, dtype=torch.float32)
+        self.register_coeff_buffer("clip_epsilon_high", eps_high, device=device, dtype=torch.float32)
+        self.register_coeff_buffer("critic_coeff", float(critic_coeff), device=device, dtype=torch.float32)
+        self.register_coeff_buffer("kl_coeff", float(kl_coeff), device=device, dtype=torch.float32)
+        self.register_coeff_buffer("entropy_coeff", float(entropy_coeff), device=device, dtype=torch.float32)
+        self.register_coeff_buffer("clip_value", clip_value, device=device, dtype=torch.float32)
+        self.dual_clip = dual_clip
+        self.kl_estimator = kl_estimator
+        self.kl_clamp = kl_clamp
+        self.loss_agg_mode = loss_agg_mode
+        self.normalize_advantage = bool(normalize_advantage)
+        self.early_stop_kl = early_stop_kl
+        self.entropy_bonus = (entropy_coeff != 0) if entropy_bonus is None else bool(entropy_bonus)
+        self._has_critic = critic_network is not None and critic_coeff != 0
+        self._requires_ref = kl_coeff != 0
+
+    # ------------------------------------------------------------------ presets
+
+    @classmethod
+    def minimind(
+        cls, actor_network: TensorDictModule, critic_network: TensorDictModule, **overrides: Any
+    ) -> TokenPPOLoss:
+        """A loss with every hyper-parameter at MiniMind's PPO default (:data:`MINIMIND_PPO_DEFAULTS`).
+
+        clip 0.2 (``--clip_epsilon``), value-loss weight 0.5 (``--vf_coef``), k3 reference
+        KL weight 0.02 in the loss (``--kl_coef``), value clip 0.2 (``--cliprange_value``),
+        no entropy bonus, token-mean aggregation, advantages whitened once in GAE with
+        ``gamma=1.0, lmbda=0.95`` (``--gamma``, ``--lam``), and ``early_stop_kl=0.25``
+        (``--early_stop_kl``; the training loop stops the PPO epochs when ``kl_approx``
+        exceeds it). Keyword ``overrides`` replace any of these.
+
+        Example:
+            >>> import torch
+            >>> from tensordict.nn import TensorDictModule
+            >>> actor = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["log_prob"])
+            >>> critic = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["state_value"])
+            >>> loss = TokenPPOLoss.minimind(actor, critic)
+            >>> float(loss.clip_epsilon), float(loss.critic_coeff), float(loss.kl_coeff), float(loss.clip_value)
+            (0.20000000298023224, 0.5, 0.019999999552965164, 0.20000000298023224)
+            >>> loss.kl_estimator, loss.early_stop_kl
+            ('k3', 0.25)
+            >>> gae = loss.value_estimator
+            >>> float(gae.gamma), float(gae.lmbda), gae.average_gae
+            (1.0, 0.949999988079071, True)
+        """
+        cfg = dict(MINIMIND_PPO_DEFAULTS)
+        unknown = set(overrides) - set(cfg) - {"dual_clip", "kl_clamp", "entropy_bonus", "functional", "device"}
+        if unknown:
+            raise TypeError(f"TokenPPOLoss.minimind() got unknown overrides {sorted(unknown)}")
+        cfg.update(overrides)
+        gamma, lmbda = cfg.pop("gamma"), cfg.pop("lmbda")
+        loss = cls(actor_network, critic_network, **cfg)
+        loss.make_value_estimator(MaskedGAE(gamma=gamma, lmbda=lmbda, average_gae=True))
+        return loss
+
+    # ------------------------------------------------------------------ keys
+
+    @property
+    def functional(self) -> bool:
+        return self._functional
+
+    def _set_in_keys(self) -> None:
+        k = self.tensor_keys
+        keys = [k.tokens, k.mask, k.sample_log_prob, k.ref_log_prob, k.advantage, k.value_target, k.value]
+        for net in (self.actor_network, self.critic_network):
+            for key in getattr(net, "in_keys", []):
+                if key not in keys:
+                    keys.append(key)
+        self._in_keys = keys
+
+    @property
+    def in_keys(self):
+        if self._in_keys is None:
+            self._set_in_keys()
+        return self._in_keys
+
+    @in_keys.setter
+    def in_keys(self, values):
+        self._in_keys = values
+
+    @property
+    def out_keys(self):
+        keys = ["loss_objective", "loss_kl_ref", "loss_entropy"]
+        if self._has_critic:
+            keys.insert(1, "loss_critic")
+        return keys
+
+    def _forward_value_estimator_keys(self, **kwargs) -> None:
+        estimator = getattr(self, "_value_estimator", None)
+        if estimator is not None:
+            accepted = estimator._AcceptedKeys.__dataclass_fields__
+            estimator.set_keys(
+                **{name: getattr(self.tensor_keys, name) for name in _ESTIMATOR_KEYS if name in accepted}
+            )
+        self._set_in_keys()
+
+    def make_value_estimator(self, value_type: Any = None, **hyperparams) -> TokenPPOLoss:
+        """Choose how a missing ``advantage`` is computed.
+
+        ``value_type`` may be a value-estimator instance (e.g. ``MaskedGAE(...)``),
+        a :class:`~torchrl.objectives.value.ValueEstimatorBase` subclass built with
+        ``hyperparams`` (for :class:`MaskedGAE` the defaults are ``gamma=1.0,
+        lmbda=0.95`` and the critic as ``value_network``), ``None`` (that default),
+        or ``ValueEstimators.GAE`` (TorchRL's GAE, collector data only). The
+        loss's key names are forwarded to the estimator.
+        """
+        if value_type is None:
+            value_type = self.default_value_estimator
+        if isinstance(value_type, ValueEstimatorBase):
+            self._value_estimator = value_type
+        elif value_type is MaskedGAE:
+            hp = {"gamma": 1.0, "lmbda": 0.95, "value_network": self.critic_network}
+            hp.update(hyperparams)
+            self._value_estimator = MaskedGAE(**hp)
+        elif isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase):
+            self._value_estimator = value_type(**hyperparams)
+        elif value_type == ValueEstimators.GAE:
+            dispatch_value_estimator(self, value_type, supported=(ValueEstimators.GAE,), **hyperparams)
+        else:
+            raise NotImplementedError(
+                f"value_type={value_type!r} is not supported by TokenPPOLoss; pass a MaskedGAE instance "
+                "(or ValueEstimators.GAE for collector data)"
+            )
+        self.value_type = type(self._value_estimator)
+        self._forward_value_estimator_keys()
+        return self
+
+    # ------------------------------------------------------------------ forward
+
+    def _run(self, name: str, tensordict: TensorDictBase) -> TensorDictBase:
+        net = getattr(self, name)
+        params = getattr(self, f"{name}_params", None) if self.functional else None
+        ctx = params.to_module(net, preserve_module_state=False) if params is not None else contextlib.nullcontext()
+        with ctx:
+            return net(tensordict.copy())
+
+    @dispatch
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Compute the loss terms and diagnostics of one (mini)batch; ``tensordict`` is not modified."""
+        k = self.tensor_keys
+        td = tensordict.clone(False)
+        if td.get(k.advantage, None) is None:
+            self.value_estimator(td)
+
+        old_logp = td.get(k.sample_log_prob, None)
+        if old_logp is None:
+            raise KeyError(
+                f"TokenPPOLoss: the sampling log-probs {k.sample_log_prob!r} are missing; store the policy's "
+                "per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
+            )
+        trailing_one = old_logp.ndim == td.batch_dims + 1 and old_logp.shape[-1] == 1
+        shape = old_logp.shape[:-1] if trailing_one else old_logp.shape
+        ref = f"sample_log_prob {k.sample_log_prob!r}"
+
+        def get(key, what, required=True):
+            x = td.get(key, None)
+            if x is None:
+                if required:
+                    raise KeyError(f"TokenPPOLoss: {what} {key!r} is missing from the TensorDict")
+                return None
+            return _time_last(x, f"{what} {key!r}", shape, ref).detach()
+
+        old_logp = get(k.sample_log_prob, "sample_log_prob")
+        advantage = get(k.advantage, "advantage")
+        mask = td.get(k.mask, None)
+        if mask is None:
+            mask = torch.ones(shape, dtype=torch.bool, device=old_logp.device)
+        else:
+            mask = F._check_mask(_time_last(mask, f"mask {k.mask!r}", shape, ref), shape, ref)
+        ref_logp = get(k.ref_log_prob, "reference log-probs (needed because kl_coeff > 0)", self._requires_ref)
+        if self._has_critic:
+            returns = get(k.value_target, "value target")
+            old_values = get(k.value, "rollout values (needed because clip_value is set)", self.clip_value is not None)
+
+        actor_out = self._run("actor_network", td)
+        new_logp = actor_out.get(k.log_prob, None)
+        if new_logp is None:
+            raise KeyError(
+                f"TokenPPOLoss: the actor network did not write {k.log_prob!r}; it must output the per-token "
+                f"log-probs [B, R] of the response tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})"
+            )
+        new_logp = _time_last(new_logp, f"actor output {k.log_prob!r}", shape, ref)
+        entropy = actor_out.get(k.entropy, None)
+        if entropy is None and self.entropy_bonus:
+            raise KeyError(
+                f"TokenPPOLoss: entropy_coeff is set but the actor network did not write {k.entropy!r}; "
+                "return the per-token entropy [B, R] from the actor (e.g. response_log_probs(..., return_entropy=True))"
+            )
+
+        if self.normalize_advantage:
+            advantage = F.masked_whiten(advantage, mask)
+        loss_objective, stats = F.ppo_policy_loss(
+            new_logp,
+            old_logp,
+            advantage,
+            mask,
+            self.clip_epsilon,
+            clip_epsilon_high=self.clip_epsilon_high,
+            dual_clip=self.dual_clip,
+            loss_agg_mode=self.loss_agg_mode,
+            return_stats=True,
+        )
+        out = TensorDict({"loss_objective": loss_objective})
+        zero = loss_objective.new_zeros(())
+
+        if ref_logp is not None:
+            kl_ref = F.reference_kl_penalty(
+                new_logp,
+                ref_logp,
+                mask,
+                estimator=self.kl_estimator,
+                clamp=self.kl_clamp,
+                loss_agg_mode=self.loss_agg_mode,
+            )
+            out.set("loss_kl_ref", self.kl_coeff * kl_ref)
+            out.set("kl_ref", kl_ref.detach())
+        else:
+            out.set("loss_kl_ref", zero)
+
+        if entropy is not None:
+            entropy = _time_last(entropy, f"actor output {k.entropy!r}", shape, ref)
+            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, mask, self.loss_agg_mode))
+            out.set("entropy", F.masked_mean(entropy.detach(), mask))
+        else:
+            out.set("loss_entropy", zero)
+
+        if self._has_critic:
+            critic_out = self._run("critic_network", td)
+            values = critic_out.get(k.value, None)
+            if values is None:
+                raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
+            values = _time_last(values, f"critic output {k.value!r}", shape, ref)
+            if self.clip_value is None:
+                # No clipping: with V_old = V both branches are (V - G)^2.
+                loss_critic = F.clipped_value_loss(
+                    values, values.detach(), returns, mask, 1.0, loss_agg_mode=self.loss_agg_mode
+                )
+            else:
+                loss_critic, vstats = F.clipped_value_loss(
+                    values,
+                    old_values,
+                    returns,
+                    mask,
+                    self.clip_value,
+                    loss_agg_mode=self.loss_agg_mode,
+                    return_stats=True,
+                )
+                out.set("value_clip_fraction", vstats["value_clip_fraction"])
+            out.set("loss_critic", self.critic_coeff * loss_critic)
+            out.set("explained_variance", F.explained_variance(values.detach(), returns, mask))
+
+        out.set("clip_fraction", stats["clip_fraction"])
+        out.set("clip_fraction_low", stats["clip_fraction_low"])
+        out.set("clip_fraction_high", stats["clip_fraction_high"])
+        out.set("kl_approx", stats["approx_kl"])
+        out.set("ratio_mean", stats["ratio_mean"])
+        out.set("ratio_max", stats["ratio_max"])
+        out.set("ESS", stats["ess"])
+        if self.dual_clip is not None:
+            out.set("dual_clip_fraction", stats["dual_clip_fraction"])
+        return out
+

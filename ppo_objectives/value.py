@@ -1,0 +1,406 @@
+"""MaskedGAE: TorchRL's value-estimator interface over :func:`ppo_objectives.functional.masked_gae`.
+
+Shape letters (used in every docstring below):
+
+- ``B``: batch dimensions of the TensorDict, without the time axis (one or more).
+- ``R``: the response length (LLM layout: one row per sampled response, padded).
+- ``N, T``: rows and time steps of a TorchRL collector batch (collector layout).
+
+TorchRL stores per-step scalars with a trailing feature dim, ``[*B, T, 1]``;
+the functional core works on ``[*B, T]``. This module accepts both at its edge
+and writes its outputs in the layout of the value entry it read. Nothing is
+broadcast: a tensor whose shape is neither ``[*B, T]`` nor ``[*B, T, 1]`` is an
+error, never silently expanded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule, composite_lp_aggregate, dispatch
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives.value import ValueEstimatorBase
+
+from ppo_objectives import functional as F
+
+__all__ = ["MaskedGAE"]
+
+
+def _next(key: NestedKey) -> tuple[str, ...]:
+    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+
+
+def _time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:
+    """Return ``x`` as ``[*B, T]``: accept exactly ``shape`` or ``shape + (1,)``, nothing else."""
+    if x.shape == shape:
+        return x
+    if x.shape == shape + (1,):
+        return x.squeeze(-1)
+    raise ValueError(
+        f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(shape)}: expected "
+        f"{tuple(shape)} or the TorchRL layout {tuple(shape + (1,))}. Broadcasting it would mix the "
+        f"entries of different tokens or sequences; store one value per token (for a sequence-level "
+        f"score, put it on the last valid token, e.g. with KLPenaltyTransform)."
+    )
+
+
+def _segmented_masked_gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: Tensor | float,
+    lmbda: Tensor | float,
+    done: Tensor,
+    terminated: Tensor,
+    next_values: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Masked GAE over rows that hold several trajectories back to back (collector layout).
+
+    All tensors are ``[N, T]`` (``mask``, ``done``, ``terminated`` bool), already
+    validated. The recursion runs backwards over the valid steps of each row.
+    A *segment end* is a valid step with ``done``, or the last valid step of the
+    row (the batch boundary cut the trajectory). At a segment end the next
+    value is 0 if ``terminated`` and ``next_values[t]`` otherwise (truncated, or
+    cut by the boundary), and the advantage carried from the right is dropped;
+    inside a segment the next value is the value of the next valid step. Masked
+    steps are skipped: their rewards, values and flags are never read.
+
+    Returns raw advantages and returns (``A + V``), exactly 0 at masked steps.
+    Written as a loop over ``T`` with ``torch.where`` only, so it has no host
+    synchronisation and compiles with ``torch.compile(fullgraph=True)``.
+    """
+    n, t_len = rewards.shape
+    zero = rewards.new_zeros(())
+    next_v = rewards.new_zeros(n)  # value of the next valid step of the same row
+    carry = rewards.new_zeros(n)  # advantage of that step
+    seen = torch.zeros(n, dtype=torch.bool, device=rewards.device)  # a valid step exists to the right
+    adv = torch.zeros_like(rewards)
+    for t in range(t_len - 1, -1, -1):
+        m = mask[:, t]
+        end = done[:, t] | ~seen
+        if next_values is None:
+            boot = rewards.new_zeros(n)
+        else:
+            boot = torch.where(terminated[:, t], zero, next_values[:, t])
+        nv = torch.where(end, boot, next_v)
+        c = torch.where(end, zero, carry)
+        a = rewards[:, t] + gamma * nv - values[:, t] + gamma * lmbda * c
+        adv[:, t] = torch.where(m, a, zero)
+        carry = torch.where(m, a, carry)
+        next_v = torch.where(m, values[:, t], next_v)
+        seen = seen | m
+    returns = torch.where(mask, adv + values, zero)
+    return adv, returns
+
+
+class MaskedGAE(ValueEstimatorBase):
+    """Generalised advantage estimation over the valid tokens of each row, as a TorchRL value estimator.
+
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
+    Advantage Estimation" (arXiv:1506.02438)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lmbda * A_{t+1}
+        value_target_t = A_t (raw, before whitening) + V_t
+
+    where ``t + 1`` is the next *valid* step (masked steps are skipped, their
+    entries never read). The arithmetic is :func:`ppo_objectives.functional.masked_gae`;
+    this class maps TensorDict keys to its arguments.
+
+    Two layouts:
+
+    * **LLM layout** ``[B, R]`` (no done flags in the TensorDict): one response
+      per row, ``mask`` marks the response tokens. After the last valid token the
+      next value is 0 (the response ended). This is MiniMind's GAE.
+    * **Collector layout** ``[N, T]`` (``("next", "done")`` and/or
+      ``("next", "terminated")`` / ``("next", "truncated")`` present): a row may
+      hold several trajectories back to back, the last one cut by the batch
+      boundary. The recursion restarts at every ``done``; the next value of a
+      trajectory's last step is 0 when ``terminated`` and
+      ``("next", "state_value")`` when truncated or cut by the boundary. On
+      unmasked data this equals :class:`torchrl.objectives.value.GAE`.
+
+    Keys read (names via :meth:`set_keys`; per-step tensors may be ``[*B, T]`` or ``[*B, T, 1]``):
+
+    ============================== ============= ==========================================
+    key (field)                    shape         meaning
+    ============================== ============= ==========================================
+    ``("next", "reward")`` reward  [*B, T(, 1)]  per-token reward
+    ``"state_value"`` value        [*B, T(, 1)]  critic values at rollout time; computed by
+                                                 ``value_network`` when absent
+    ``"mask"`` mask                [*B, T(, 1)]  bool or {0, 1}; optional (all valid)
+    ``("next", "done")`` done      [*B, T(, 1)]  optional, selects the collector layout
+    ``("next", "terminated")``     [*B, T(, 1)]  optional (defaults to done & ~truncated)
+    ``("next", "truncated")``      [*B, T(, 1)]  optional (defaults to done & ~terminated)
+    ``("next", "state_value")``    [*B, T(, 1)]  collector layout: bootstrap values
+    ============================== ============= ==========================================
+
+    Keys written: ``"advantage"`` and ``"value_target"`` in the layout of the
+    value entry (``[*B, T]`` or ``[*B, T, 1]``), exactly 0 at masked steps; the
+    advantage is whitened over the valid steps of the whole batch when
+    ``average_gae=True``.
+
+    Args:
+        gamma: discount in [0, 1] (token-level PPO for LLMs: 1.0).
+        lmbda: GAE lambda in [0, 1] (MiniMind: 0.95).
+        value_network: optional module writing ``state_value``; only called when
+            the value entry is missing (and on ``"next"`` when bootstrap values
+            are needed but missing). ``None`` is the usual case for a
+            transformer critic that scored the whole sequence at rollout time.
+
+    Keyword Args:
+        average_gae: whiten the advantages over the valid steps (MiniMind: True).
+            Default ``False`` as in TorchRL.
+        differentiable: keep the autograd graph (default ``False``: computed
+            under ``torch.no_grad()``).
+        device: device of the ``gamma`` / ``lmbda`` buffers.
+        skip_existing: forwarded to :class:`~torchrl.objectives.value.ValueEstimatorBase`.
+
+    Differences from :class:`torchrl.objectives.value.GAE`: masked steps are
+    skipped rather than computed on; inside a trajectory the next value is the
+    value of the next valid step (TorchRL reads ``("next", "state_value")`` at
+    every step, which is the same number on consistent collector data); without
+    done flags the end of each row is terminal (LLM layout); whitening is masked.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     {
+        ...         "state_value": torch.tensor([[0.5, 0.5, 0.5, 9.0]]),
+        ...         "mask": torch.tensor([[True, True, True, False]]),   # last token is padding
+        ...         ("next", "reward"): torch.tensor([[0.0, 0.0, 1.0, 7.0]]),
+        ...     },
+        ...     batch_size=[1, 4],
+        ... )
+        >>> gae = MaskedGAE(gamma=1.0, lmbda=1.0)
+        >>> td = gae(td)
+        >>> td["advantage"]            # reward-to-go 1 minus value 0.5; padding is 0
+        tensor([[0.5000, 0.5000, 0.5000, 0.0000]])
+        >>> td["value_target"]
+        tensor([[1., 1., 1., 0.]])
+
+        Collector layout: two trajectories in one row, the first terminated, the
+        second cut by the batch boundary and bootstrapped from ``("next", "state_value")``:
+
+        >>> td = TensorDict(
+        ...     {
+        ...         "state_value": torch.zeros(1, 4, 1),
+        ...         ("next", "state_value"): torch.tensor([[[0.0], [0.0], [0.0], [2.0]]]),
+        ...         ("next", "reward"): torch.tensor([[[1.0], [1.0], [1.0], [1.0]]]),
+        ...         ("next", "done"): torch.tensor([[[False], [True], [False], [False]]]),
+        ...         ("next", "terminated"): torch.tensor([[[False], [True], [False], [False]]]),
+        ...     },
+        ...     batch_size=[1, 4],
+        ... )
+        >>> MaskedGAE(gamma=1.0, lmbda=1.0)(td)["advantage"].squeeze(-1)   # 1+1 | 1+1+2, 1+2
+        tensor([[2., 1., 4., 3.]])
+    """
+
+    @dataclass
+    class _AcceptedKeys:
+        """Configurable TensorDict keys of :class:`MaskedGAE` (set them with :meth:`set_keys`).
+
+        Attributes:
+            advantage: where the advantage is written. Defaults to ``"advantage"``.
+            value_target: where the value target (raw advantage + value) is
+                written. Defaults to ``"value_target"``.
+            value: the critic values; also read under ``"next"`` for bootstrapping.
+                Defaults to ``"state_value"``.
+            reward: the per-token reward, read under ``"next"``. Defaults to ``"reward"``.
+            done: trajectory end flag, read under ``"next"``. Defaults to ``"done"``.
+            terminated: termination flag, read under ``"next"``. Defaults to ``"terminated"``.
+            truncated: truncation flag, read under ``"next"``. Defaults to ``"truncated"``.
+            mask: which steps take part (True) or are skipped. Defaults to ``"mask"``.
+            steps_to_next_obs: multi-step returns are not supported; its presence is
+                an error. Defaults to ``"steps_to_next_obs"``.
+            sample_log_prob: unused by GAE; kept for losses that forward it.
+                Defaults to ``"sample_log_prob"`` (or ``"action_log_prob"`` when
+                :func:`~tensordict.nn.composite_lp_aggregate` is off).
+        """
+
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+        value: NestedKey = "state_value"
+        reward: NestedKey = "reward"
+        done: NestedKey = "done"
+        terminated: NestedKey = "terminated"
+        truncated: NestedKey = "truncated"
+        mask: NestedKey = "mask"
+        steps_to_next_obs: NestedKey = "steps_to_next_obs"
+        sample_log_prob: NestedKey | None = None
+
+        def __post_init__(self):
+            if self.sample_log_prob is None:
+                self.sample_log_prob = "sample_log_prob" if composite_lp_aggregate(nowarn=True) else "action_log_prob"
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+    value_network: TensorDictModule | None
+
+    def __init__(
+        self,
+        gamma: float | Tensor,
+        lmbda: float | Tensor,
+        value_network: TensorDictModule | None = None,
+        *,
+        average_gae: bool = False,
+        differentiable: bool = False,
+        skip_existing: bool | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__(
+            value_network=value_network, differentiable=differentiable, skip_existing=skip_existing, device=device
+        )
+        for name, x in (("gamma", gamma), ("lmbda", lmbda)):
+            F._check_unit_interval(name, x)
+            self.register_buffer(name, torch.as_tensor(x, dtype=torch.float32, device=self._device).clone())
+        self.average_gae = bool(average_gae)
+
+    @property
+    def in_keys(self):
+        keys = [
+            ("next", self.tensor_keys.reward),
+            self.tensor_keys.value,
+            self.tensor_keys.mask,
+            _next(self.tensor_keys.done),
+            _next(self.tensor_keys.terminated),
+            _next(self.tensor_keys.truncated),
+            _next(self.tensor_keys.value),
+        ]
+        if self.value_network is not None:
+            keys += [k for k in self.value_network.in_keys if k not in keys]
+        return keys
+
+    @property
+    def out_keys(self):
+        return [self.tensor_keys.advantage, self.tensor_keys.value_target]
+
+    def _values(self, tensordict: TensorDictBase, key: NestedKey, *, next_step: bool) -> Tensor | None:
+        """The value entry, computed by ``value_network`` (without gradient) when missing."""
+        value = tensordict.get(key, None)
+        if value is not None or self.value_network is None:
+            return value
+        if next_step:  # bootstrap values never carry a gradient (as in TorchRL)
+            with torch.no_grad():
+                out = self.value_network(tensordict.get("next").copy())
+        else:
+            out = self.value_network(tensordict.copy())
+        value = out.get(self.tensor_keys.value)
+        tensordict.set(key, value)
+        return value
+
+    @dispatch
+    def forward(
+        self,
+        tensordict: TensorDictBase,
+        *,
+        params: TensorDictBase | None = None,
+        target_params: TensorDictBase | None = None,
+    ) -> TensorDictBase:
+        """Compute ``advantage`` and ``value_target`` and write them into ``tensordict`` (returned).
+
+        Accepts keyword tensors too (``next_reward=``, ``state_value=``, ``mask=``, ...),
+        returning ``(advantage, value_target)``.
+        """
+        if params is not None or target_params is not None:
+            raise ValueError(
+                "MaskedGAE does not take functional params/target_params: pass precomputed "
+                f"{self.tensor_keys.value!r} entries or a stateful value_network"
+            )
+        with torch.set_grad_enabled(self.differentiable):
+            adv, target = self._estimate(tensordict)
+        tensordict.set(self.tensor_keys.advantage, adv)
+        tensordict.set(self.tensor_keys.value_target, target)
+        return tensordict
+
+    def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
+        """The value target (raw advantage + value) of :meth:`forward`, without writing anything."""
+        with torch.set_grad_enabled(self.differentiable):
+            return self._estimate(tensordict.copy())[1]
+
+    def _estimate(self, tensordict: TensorDictBase) -> tuple[Tensor, Tensor]:
+        keys = self.tensor_keys
+        if tensordict.batch_dims < 1:
+            raise ValueError(
+                f"MaskedGAE needs a TensorDict with a time dimension, got batch_size={tuple(tensordict.batch_size)}; "
+                "use batch_size [*B, T]"
+            )
+        if keys.steps_to_next_obs in tensordict.keys(True):
+            raise NotImplementedError(
+                f"found {keys.steps_to_next_obs!r}: multi-step returns are not supported by MaskedGAE "
+                "(the result would ignore the n-step discount); use torchrl.objectives.value.GAE"
+            )
+        reward = tensordict.get(("next", keys.reward), None)
+        if reward is None:
+            raise KeyError(f"MaskedGAE: the reward {('next', keys.reward)!r} is missing from the TensorDict")
+        value = self._values(tensordict, keys.value, next_step=False)
+        if value is None:
+            raise KeyError(
+                f"MaskedGAE: the value {keys.value!r} is missing and no value_network was given; "
+                "store the critic's values at rollout time or pass value_network="
+            )
+        trailing_one = value.ndim == tensordict.batch_dims + 1 and value.shape[-1] == 1
+        shape = value.shape[:-1] if trailing_one else value.shape
+        v = value
+        r = _time_last(reward, f"reward {('next', keys.reward)!r}", shape, f"value {keys.value!r}")
+        v = _time_last(v, f"value {keys.value!r}", shape, f"value {keys.value!r}")
+        mask = tensordict.get(keys.mask, None)
+        if mask is None:
+            m = torch.ones(shape, dtype=torch.bool, device=v.device)
+        else:
+            m = F._check_mask(_time_last(mask, f"mask {keys.mask!r}", shape, f"value {keys.value!r}"), shape, "value")
+
+        done = tensordict.get(_next(keys.done), None)
+        terminated = tensordict.get(_next(keys.terminated), None)
+        truncated = tensordict.get(_next(keys.truncated), None)
+        if done is None and terminated is None and truncated is None:
+            # LLM layout: one response per row, terminal after the last valid token.
+            adv, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae)
+        else:
+            adv, target = self._collector_gae(tensordict, r, v, m, shape, done, terminated, truncated)
+        if trailing_one:
+            adv, target = adv.unsqueeze(-1), target.unsqueeze(-1)
+        return adv, target
+
+    def _collector_gae(self, tensordict, r, v, m, shape, done, terminated, truncated):
+        keys = self.tensor_keys
+
+        def flag(x, key):
+            x = _time_last(x, f"flag {_next(key)!r}", shape, f"value {keys.value!r}")
+            return x if x.dtype == torch.bool else x != 0
+
+        done = None if done is None else flag(done, keys.done)
+        terminated = None if terminated is None else flag(terminated, keys.terminated)
+        truncated = None if truncated is None else flag(truncated, keys.truncated)
+        if done is None:
+            done = (terminated if terminated is not None else torch.zeros_like(m)) | (
+                truncated if truncated is not None else torch.zeros_like(m)
+            )
+        if terminated is None:
+            terminated = done & ~truncated if truncated is not None else done
+        next_value = self._values(tensordict, _next(keys.value), next_step=True)
+        if next_value is None:
+            raise KeyError(
+                f"MaskedGAE: done flags are present (collector layout) but {_next(keys.value)!r} is missing "
+                "and no value_network was given; it is needed to bootstrap truncated trajectories and rows cut "
+                "by the batch boundary (using 0 would treat them as terminated). Store the next values, pass "
+                "value_network=, or drop the done flags for LLM data where every row ends its response."
+            )
+        nv = _time_last(next_value, f"next value {_next(keys.value)!r}", shape, f"value {keys.value!r}")
+        for name, x in (("reward", r), ("value", v), ("next value", nv)):
+            F._check_float(name, x)
+        cd = F._compute_dtype(r, v, nv)
+        t_len = shape[-1]
+        flat = lambda x: x.reshape(-1, t_len)  # noqa: E731
+        gamma, lmbda = self.gamma.to(device=v.device, dtype=cd), self.lmbda.to(device=v.device, dtype=cd)
+        adv, target = _segmented_masked_gae(
+            flat(r.to(cd)), flat(v.to(cd)), flat(m), gamma, lmbda, flat(done), flat(terminated), flat(nv.to(cd))
+        )
+        adv, target = adv.reshape(shape), target.reshape(shape)
+        if self.average_gae:
+            adv = F.masked_whiten(adv, m)
+        return adv.to(v.dtype), target.to(v.dtype)
