@@ -1,49 +1,265 @@
-"""Fast masked GAE kernels (inputs already validated by ``functional.masked_gae``).
+"""Fast masked GAE kernels behind ``functional.masked_gae`` (inputs already validated there).
 
-Contract: ``rewards``, ``values`` float ``[N, R]`` of one dtype, ``mask`` bool ``[N, R]``,
-``bootstrap_value`` float ``[N]`` or ``None``; returns raw advantages ``[N, R]``,
-exactly 0 at masked positions. Masked positions are skipped by the recursion.
+Shape letters: ``N`` rows (flattened batch), ``R`` tokens per row, ``L`` the row length padded
+to a whole number of blocks, ``C`` the block length.
+
+Contract shared by every backend (``rewards``, ``values`` float ``[N, R]`` of one dtype,
+``mask`` bool ``[N, R]``, ``bootstrap_value`` float ``[N]`` or ``None``, ``gamma`` / ``lam``
+Python floats or 0-d tensors on the rows' device): return the raw (un-whitened) advantages
+``[N, R]``, exactly 0 at masked positions, with the recursion of Schulman et al. 2016,
+"High-Dimensional Continuous Control Using Generalized Advantage Estimation", run over the
+valid tokens of each row only::
+
+    delta_k = r_k + gamma * V_next(k) - V_k,      A_k = delta_k + gamma * lam * A_next(k)
+
+where ``next(k)`` is the next *valid* token of the row; after the last valid token
+``V_next = bootstrap_value[n]`` (0 when ``None``) and ``A_next = 0``. Values at masked
+positions (garbage, NaN, inf) never enter any arithmetic.
+
+Backends
+--------
+``"torch"`` (:func:`gae_advantages_torch`), any device, no host synchronisation and no
+data-dependent shape, so ``torch.compile(fullgraph=True)`` compiles it:
+
+1. compact: ``rank = cumsum(mask) - 1`` gives each valid token its slot in a left-packed
+   row; one ``scatter`` per input writes it there (masked tokens go to a dump column that is
+   never read back);
+2. TD errors on the packed rows, where "next valid" is simply "next slot"; the bootstrap is
+   added to the packed reward of the last valid slot as ``gamma * bootstrap``;
+3. the discounted reverse cumulative sum ``A_k = sum_{j >= k} g^(j-k) delta_j`` with the
+   constant decay ``g = gamma * lam`` as a blocked matrix product: inside blocks of ``C``
+   slots one ``[C, C]`` matrix of ``g^(j-i)`` (``j >= i``), across blocks the same scheme one
+   level up with decay ``g^C`` (recursively). Only non-negative powers of ``g`` appear, so
+   nothing overflows for ``g < 1``; ``g = 0`` (``0^0 = 1``) and ``g = 1`` are exact cases and
+   powers that underflow to 0 stand for contributions below the dtype's resolution;
+4. ``gather`` the packed advantages back to the original positions, 0 where masked.
+
+``"triton"`` (:func:`gae_advantages_triton`, kernel in ``_triton_gae``): CUDA only, one
+program per row runs a chunked reverse linear scan (``tl.associative_scan``) in one pass
+over the inputs. Chosen by ``backend="auto"`` on CUDA tensors when Triton imports.
+
+``"loop"``: the readable Python loop ``functional.masked_gae_reference`` (dispatched there).
+
+Examples
+--------
+>>> import torch
+>>> r = torch.tensor([[0.0, 0.0, 1.0, 9.0]])
+>>> v = torch.tensor([[0.5, 0.5, 0.5, float("nan")]])
+>>> m = torch.tensor([[True, True, True, False]])
+>>> gae_advantages_torch(r, v, m, 1.0, 1.0, None)  # A_k = sum of rewards after k - V_k
+tensor([[0.5000, 0.5000, 0.5000, 0.0000]])
+>>> select_backend(torch.device("cpu"), "auto")
+'torch'
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
+_BLOCK = 64  # block length C of the blocked discounted cumsum; 64 keeps matrices tiny and powers >= g^64
+
+_TRITON_IMPORT_ERROR: str | None = None
+_TRITON_CHECKED = False
+
+
+def _find_triton() -> bool:
+    """Whether ``import triton`` works (checked once, never raises)."""
+    global _TRITON_CHECKED, _TRITON_IMPORT_ERROR
+    if not _TRITON_CHECKED:
+        _TRITON_CHECKED = True
+        if importlib.util.find_spec("triton") is None:
+            _TRITON_IMPORT_ERROR = "No module named 'triton'"
+        else:
+            try:
+                import triton  # noqa: F401
+                import triton.language  # noqa: F401
+            except Exception as exc:  # a broken install must not break the torch path
+                _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    return _TRITON_IMPORT_ERROR is None
+
+
+def _constant_result(fn):
+    # torch.compile treats the answer as a constant instead of tracing the import machinery
+    marker = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return marker(fn) if marker is not None else fn
+
+
+@_constant_result
+def triton_available() -> bool:
+    """Whether the Triton backend can run here: Triton imports and a CUDA device is visible."""
+    return torch.cuda.is_available() and _find_triton()
+
 
 def select_backend(device: torch.device, backend: str = "auto") -> str:
-    """Pick the GAE implementation: ``"loop"``, ``"torch"`` or ``"triton"``."""
+    """Pick the masked-GAE implementation for rows on ``device``.
+
+    ``"auto"`` gives ``"triton"`` for CUDA tensors when Triton is available (and the call is
+    not being traced by ``torch.compile``, which fuses the torch path itself), else
+    ``"torch"``. Explicit ``"loop"`` / ``"torch"`` are returned as given; explicit
+    ``"triton"`` is checked and raises when it cannot run.
+
+    >>> select_backend(torch.device("cpu"))
+    'torch'
+    >>> select_backend(torch.device("cpu"), "loop")
+    'loop'
+    """
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        raise ValueError(
+            f"masked_gae: backend={backend!r} is not one of {BACKENDS}; the advantages cannot be "
+            "computed with an unknown implementation. Use 'auto' (fastest available), 'torch', "
+            "'triton' (CUDA + Triton) or 'loop' (readable reference)."
+        )
+    device = torch.device(device)
     if backend == "auto":
+        if device.type == "cuda" and not torch.compiler.is_compiling() and triton_available():
+            return "triton"
         return "torch"
     if backend == "triton":
-        raise ValueError("backend='triton' is not available in this build; use backend='torch'")
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"masked_gae: backend='triton' needs CUDA tensors, but the rows are on {device}; "
+                "the Triton kernel only runs on a GPU. Move the tensors to CUDA, or use "
+                "backend='torch' (any device) or backend='auto'."
+            )
+        if not triton_available():
+            raise RuntimeError(
+                "masked_gae: backend='triton' was asked for but Triton cannot be used "
+                f"({_TRITON_IMPORT_ERROR or 'no CUDA device is visible'}); the kernel cannot be "
+                "compiled. Install triton (it ships with CUDA builds of torch), or use "
+                "backend='torch' / backend='auto', which fall back to the torch path."
+            )
     return backend
 
 
-def gae_advantages_torch(rewards: Tensor, values: Tensor, mask: Tensor, gamma, lam, bootstrap_value: Tensor | None) -> Tensor:
-    """Compact valid tokens to the left of each row, recurse over time, scatter back."""
+# ----------------------------------------------------------------------------------------------
+# torch backend
+# ----------------------------------------------------------------------------------------------
+
+
+def _powers(g, exponents: Tensor) -> Tensor:
+    """``g ** exponents`` in float64 (``0 ** 0 == 1``); ``g`` a float or a 0-d tensor."""
+    if isinstance(g, Tensor):
+        return torch.pow(g.to(torch.float64), exponents)
+    return torch.pow(torch.full_like(exponents, float(g)), exponents)
+
+
+def _matmul_needs_float64(x: Tensor) -> bool:
+    # reduced-precision float32 matmuls (TF32 on CUDA, bf16 passes on CPU) would cost ~1e-3
+    # relative error; the blocked sum then runs in float64, which the tiny matrices make cheap.
+    if x.dtype != torch.float32:
+        return False
+    if x.is_cuda:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def discounted_reverse_cumsum(x: Tensor, g, block: int = _BLOCK) -> Tensor:
+    """``out[:, k] = sum_{j >= k} g**(j - k) * x[:, j]`` for ``x`` of shape ``[N, L]``.
+
+    Blocked two-level matrix product (recursive beyond ``block**2`` columns); non-negative
+    powers of ``g`` only. ``g`` is a float or a 0-d tensor, ``0 <= g`` (``g <= 1`` keeps every
+    power <= 1).
+
+    >>> discounted_reverse_cumsum(torch.tensor([[1.0, 2.0, 4.0]]), 0.5)  # 1+1+1, 2+2, 4
+    tensor([[3., 4., 4.]])
+    """
+    n, length = x.shape
+    c = min(block, length)
+    nb = -(-length // c)
+    if nb * c != length:
+        x = F.pad(x, (0, nb * c - length))
+    dev = x.device
+    ar = torch.arange(c, device=dev, dtype=torch.float64)
+    diff = ar[None, :] - ar[:, None]  # [C, C]: j - i
+    upper = diff >= 0
+    # decay[i, j] = g^(j - i) for j >= i: local[:, b, i] = sum_j decay[i, j] x[:, b, j]
+    decay = torch.where(upper, _powers(g, diff.clamp(min=0.0)), 0.0)
+    work_dtype = torch.float64 if _matmul_needs_float64(x) else x.dtype
+    xb = x.reshape(n, nb, c).to(work_dtype)
+    local = torch.matmul(xb, decay.t().to(work_dtype))  # [N, nb, C]
+    if nb > 1:
+        g_block = g ** c  # decay from one block start to the next
+        heads = local[:, :, 0]  # [N, nb]: each block discounted to its first slot
+        starts = discounted_reverse_cumsum(heads, g_block, block)  # A at each block start
+        after = F.pad(starts[:, 1:], (0, 1))  # A at the start of the following block
+        tail = _powers(g, c - ar).to(work_dtype)  # g^(C - i): slot i to the next block start
+        local = torch.addcmul(local, after.unsqueeze(-1), tail)
+    return local.reshape(n, nb * c)[:, :length].to(x.dtype)
+
+
+def gae_advantages_torch(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma,
+    lam,
+    bootstrap_value: Tensor | None,
+) -> Tensor:
+    """Raw masked GAE advantages ``[N, R]`` by compaction + blocked discounted cumsum.
+
+    See the module docstring for the algorithm; host-sync free and shape-static.
+
+    >>> r = torch.tensor([[1.0, 0.0, 2.0]])
+    >>> v = torch.zeros(1, 3)
+    >>> m = torch.tensor([[True, False, True]])
+    >>> gae_advantages_torch(r, v, m, 0.5, 1.0, None)  # A_0 = 1 + 0.5 * 2 (slot 1 skipped)
+    tensor([[2., 0., 2.]])
+    """
     n, r = rewards.shape
-    rank = torch.cumsum(mask, dim=-1) - 1
-    dump = torch.full_like(rank, r)
+    dtype = rewards.dtype
+    c = min(_BLOCK, r)
+    length = -(-r // c) * c  # packed width L >= R, a whole number of blocks
+    rank = torch.cumsum(mask, dim=-1) - 1  # [N, R] slot of each valid token
+    dump = length + 1  # column L is always 0 ("after the last slot"), L + 1 catches masked tokens
     idx = torch.where(mask, rank, dump)
-    zeros = rewards.new_zeros(n, r + 1)
-    rc = zeros.scatter(1, idx, torch.where(mask, rewards, 0.0))[:, :r]
-    vc = zeros.scatter(1, idx, torch.where(mask, values, 0.0))[:, :r]
-    count = mask.sum(-1, keepdim=True)
-    boot = rewards.new_zeros(n, 1) if bootstrap_value is None else bootstrap_value.reshape(n, 1)
-    pos = torch.arange(r, device=rewards.device)
-    valid_c = pos < count
-    next_v = torch.cat([vc[:, 1:], rewards.new_zeros(n, 1)], dim=-1)
-    next_v = torch.where(pos + 1 < count, next_v, boot)
-    delta = torch.where(valid_c, rc + gamma * next_v - vc, 0.0)
-    adv_c = torch.zeros_like(delta)
-    last = rewards.new_zeros(n)
-    for t in range(r - 1, -1, -1):
-        last = delta[:, t] + gamma * lam * last
-        adv_c[:, t] = last
-    adv_c = torch.cat([adv_c, rewards.new_zeros(n, 1)], dim=-1)
-    return torch.where(mask, adv_c.gather(1, idx), 0.0)
+    packed_r = rewards.new_zeros(n, length + 2).scatter_(1, idx, rewards)
+    packed_v = values.new_zeros(n, length + 2).scatter_(1, idx, values)
+    if bootstrap_value is not None:
+        # delta of the last valid slot gets + gamma * bootstrap (an empty row has no slot to
+        # read back, so its slot 0 may take it harmlessly)
+        last = rank[:, -1:].clamp(min=0)
+        packed_r.scatter_add_(1, last, (bootstrap_value.reshape(n, 1) * gamma).to(dtype))
+    # columns >= count are 0 in both rows, so delta is 0 there and V_next of the last slot is 0
+    own = packed_r[:, :length] - packed_v[:, :length]
+    next_v = packed_v[:, 1 : length + 1]
+    if isinstance(gamma, Tensor):
+        delta = torch.addcmul(own, next_v, gamma.to(dtype))
+    else:
+        delta = torch.add(own, next_v, alpha=gamma)
+    adv_packed = discounted_reverse_cumsum(delta, gamma * lam)
+    adv = adv_packed.gather(1, rank.clamp(min=0))
+    return torch.where(mask, adv, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# triton backend
+# ----------------------------------------------------------------------------------------------
+
+
+def gae_advantages_triton(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma,
+    lam,
+    bootstrap_value: Tensor | None,
+) -> Tensor:
+    """Raw masked GAE advantages ``[N, R]`` from the Triton reverse-scan kernel (CUDA).
+
+    Same contract as :func:`gae_advantages_torch`. The kernel has no backward: when autograd
+    needs gradients through rewards / values / bootstrap this falls back to the torch path.
+    """
+    select_backend(rewards.device, "triton")  # clear error without CUDA / Triton
+    inputs = (rewards, values, bootstrap_value, gamma, lam)
+    needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
+    if needs_grad:
+        return gae_advantages_torch(rewards, values, mask, gamma, lam, bootstrap_value)
+    from ppo_objectives._triton_gae import masked_gae_triton
+
+    return masked_gae_triton(rewards, values, mask, gamma, lam, bootstrap_value)

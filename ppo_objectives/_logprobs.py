@@ -1,20 +1,167 @@
-"""Log-probabilities of chosen tokens at chosen positions (inputs validated by the caller)."""
+"""Memory-lean log-probabilities (and entropies) of chosen tokens at chosen positions.
+
+Shape letters: ``B`` batch, ``T`` sequence length, ``V`` vocabulary, ``R`` scored positions per
+row, ``N = B * R`` scored rows, ``c`` rows per chunk.
+
+For each scored row ``(b, j)`` with ``p = positions[b, j]`` and ``y = targets[b, j]``::
+
+    lse     = logsumexp(logits[b, p, :])                      (float32, float64 for float64 logits)
+    logp    = logits[b, p, y] - lse                           = log_softmax(logits[b, p])[y]
+    entropy = -sum_v softmax_v * log_softmax_v                = lse - sum_v softmax_v * logits[b, p, v]
+
+The naive ``logits.float().log_softmax(-1).gather(...)`` materialises a ``[B, T, V]`` float32
+tensor (twice the size of bf16 logits) and autograd keeps it for the backward. Here a custom
+``torch.autograd.Function`` walks the ``N`` scored rows in chunks of ``c``: it copies one chunk
+of rows, upcasts it, and keeps only ``lse`` (and the entropy) per row. The backward recomputes
+each chunk's softmax from the saved logits and ``lse``::
+
+    d logp / d x_v    = onehot(y)_v - softmax_v
+    d entropy / d x_v = -softmax_v * (log_softmax_v + entropy)
+
+and adds the chunk's rows into a zero gradient with ``index_add_`` (repeated positions add up).
+Extra memory at any moment is a few ``[c, V]`` float32 buffers; the default ``c`` keeps them
+to about 1/8 of the logits' size (at least ~1 MiB per chunk, so tiny inputs are not split into
+single rows). Gradients are first-order only: the backward is marked ``once_differentiable``,
+so a double backward raises instead of silently being wrong.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+_BUDGET_FRACTION = 0.125  # chunk working set / logits bytes
+_WORK_BUFFERS = 3  # [c, V] float32 buffers alive at once (upcast copy, softmax, a temporary)
+_MIN_CHUNK_BYTES = 1 << 20
 
 
-def gathered_log_probs(logits: Tensor, positions: Tensor, targets: Tensor, *, return_entropy: bool, chunk_size: int | None):
-    """``log_softmax(logits[b, positions[b, j]])[targets[b, j]]`` in float32 (float64 for float64 logits), and optionally the entropy."""
+def default_chunk_size(logits: Tensor, n_rows: int) -> int:
+    """Rows per chunk so that the chunk working set stays near 1/8 of ``logits``' size.
+
+    >>> default_chunk_size(torch.empty(8, 1024, 32000), 8 * 1023)
+    341
+    """
     b, t, v = logits.shape
-    cd = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    rows = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, v)).to(cd)
-    lse = torch.logsumexp(rows, dim=-1)
-    logp = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not return_entropy:
-        return logp, None
-    p = torch.softmax(rows, dim=-1)
-    entropy = lse - (p * rows).sum(-1)
-    return logp, entropy
+    work_bytes_per_row = _WORK_BUFFERS * 4 * max(v, 1)
+    budget_rows = int(_BUDGET_FRACTION * b * t * logits.element_size() * v // work_bytes_per_row)
+    floor_rows = _MIN_CHUNK_BYTES // work_bytes_per_row
+    return max(1, min(max(n_rows, 1), max(budget_rows, floor_rows)))
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+class _GatheredLogProbs(torch.autograd.Function):
+    """Chunked ``log_softmax(...).gather`` (+ entropy) with a recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, logits, rows, targets, chunk, want_entropy):
+        # logits [B, T, V]; rows [N] flat row index b * T + p; targets [N]
+        b, t, v = logits.shape
+        cd = _compute_dtype(logits)
+        flat = logits.reshape(b * t, v) if logits.is_contiguous() else None
+        n = rows.numel()
+        logp = torch.empty(n, dtype=cd, device=logits.device)
+        lse = torch.empty(n, dtype=cd, device=logits.device)
+        entropy = torch.empty(n, dtype=cd, device=logits.device) if want_entropy else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            x = _rows(logits, flat, rows[s:e], t).to(cd)  # [c, V] a copy
+            lse_c = torch.logsumexp(x, dim=-1)
+            lse[s:e] = lse_c
+            logp[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+            if want_entropy:
+                logq = x.sub_(lse_c[:, None])  # in place: the chunk's log-softmax
+                q = logq.exp()
+                # H = -sum q log q as a batched dot product (no [c, V] product temporary)
+                entropy[s:e] = -torch.bmm(q.unsqueeze(1), logq.unsqueeze(2)).reshape(-1)
+            del x
+        ctx.chunk = chunk
+        ctx.shape = (b, t, v)
+        ctx.want_entropy = want_entropy
+        ctx.save_for_backward(logits, rows, targets, lse, entropy if want_entropy else lse)
+        if want_entropy:
+            return logp, entropy
+        empty = lse.new_zeros(0)
+        ctx.mark_non_differentiable(empty)
+        return logp, empty
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, rows, targets, lse, entropy = ctx.saved_tensors
+        b, t, v = ctx.shape
+        cd = lse.dtype
+        use_h = ctx.want_entropy and grad_entropy is not None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        grad = torch.zeros((b * t, v), dtype=logits.dtype, device=logits.device)
+        flat = logits.reshape(b * t, v) if logits.is_contiguous() else None
+        chunk = ctx.chunk
+        n = rows.numel()
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            gl = grad_logp[s:e, None].to(cd)
+            logq = _rows(logits, flat, rows[s:e], t).to(cd).sub_(lse[s:e, None])
+            q = logq.exp()
+            if use_h:
+                # -q * (g_logp + g_H * (log q + H)), built in place in logq
+                gh = grad_entropy[s:e, None].to(cd)
+                scale = logq.add_(entropy[s:e, None]).mul_(gh).add_(gl)
+                g = q.mul_(scale).neg_()
+            else:
+                g = q.mul_(gl).neg_()
+            del logq
+            g.scatter_add_(-1, targets[s:e, None], gl)
+            grad.index_add_(0, rows[s:e], g.to(logits.dtype))
+            del g, q
+        return grad.view(b, t, v), None, None, None, None
+
+
+def _rows(logits: Tensor, flat: Tensor | None, rows: Tensor, t: int) -> Tensor:
+    """Copy of the selected ``[c, V]`` rows (no full-size copy for non-contiguous logits)."""
+    if flat is not None:
+        return flat.index_select(0, rows)
+    return logits[rows // t, rows % t]
+
+
+def gathered_log_probs(
+    logits: Tensor,
+    positions: Tensor,
+    targets: Tensor,
+    *,
+    return_entropy: bool,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``log_softmax(logits[b, positions[b, j]])[targets[b, j]]`` and optionally its entropy.
+
+    Args:
+        logits: ``[B, T, V]`` float logits, any float dtype (math in float32, float64 for
+            float64 logits).
+        positions: ``[B, R]`` int64 positions into ``T``.
+        targets: ``[B, R]`` int64 token ids into ``V``.
+        return_entropy: also compute the ``[B, R]`` entropies in the same pass.
+        chunk_size: scored rows per chunk; ``None`` uses :func:`default_chunk_size`.
+
+    Returns:
+        ``(logp [B, R], entropy [B, R] or None)``, float32 (float64 for float64 logits).
+        Differentiable once with respect to ``logits``.
+
+    >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]])
+    >>> logp, ent = gathered_log_probs(logits, torch.tensor([[0, 1]]), torch.tensor([[1, 0]]),
+    ...                                return_entropy=True, chunk_size=1)
+    >>> logp  # log(1/2), log(e^2 / (e^2 + 1))
+    tensor([[-0.6931, -0.1269]])
+    >>> ent   # log 2 for the uniform row; -(0.881 ln 0.881 + 0.119 ln 0.119)
+    tensor([[0.6931, 0.3653]])
+    """
+    b, t, v = logits.shape
+    r = positions.shape[-1]
+    rows = (positions + torch.arange(b, device=positions.device).unsqueeze(1) * t).reshape(-1)
+    tgt = targets.reshape(-1)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(logits, rows.numel())
+    logp, entropy = _GatheredLogProbs.apply(logits, rows, tgt, chunk, return_entropy)
+    logp = logp.view(b, r)
+    return logp, (entropy.view(b, r) if return_entropy else None)
