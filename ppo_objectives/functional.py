@@ -45,6 +45,7 @@ __all__ = [
     "clipped_value_loss",
     "explained_variance",
     "kl_estimate",
+    "loss_normalizer",
     "masked_gae",
     "masked_gae_reference",
     "masked_mean",
@@ -191,6 +192,25 @@ def _check_mode(loss_agg_mode: str) -> None:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
 
+def _all_reduce_sum(t: Tensor, process_group) -> Tensor:
+    """Sum ``t`` over the ranks of ``process_group`` (no-op for ``None``); not differentiable."""
+    if process_group is None:
+        return t
+    import torch.distributed as dist
+
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=process_group)
+    return out
+
+
+def _world_size(process_group) -> int:
+    if process_group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group)
+
+
 # --------------------------------------------------------------------------- #
 # Masked statistics
 # --------------------------------------------------------------------------- #
@@ -219,7 +239,14 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
     return xs.sum(dim=dim, keepdim=keepdim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
+def masked_mean(
+    x: Tensor,
+    mask: Tensor,
+    dim: int | tuple[int, ...] | None = None,
+    *,
+    keepdim: bool = False,
+    process_group=None,
+) -> Tensor:
     """Mean of ``x`` over valid positions: ``sum(x * m) / max(sum(m), 1)``.
 
     An empty mask (or an empty slice along ``dim``) gives 0. Masked positions
@@ -230,6 +257,10 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
         mask: ``[*B, R]`` bool or {0, 1} tensor.
         dim: dimensions to reduce; all of them when ``None``.
         keepdim: keep reduced dimensions with size 1.
+        process_group: a ``torch.distributed`` group: the mean over the valid
+            tokens of every rank (``dim=None`` only; one all-reduce). Meant for
+            statistics and diagnostics: the gradient flows through the local
+            sum only. For losses use :func:`loss_normalizer`.
 
     Example:
         >>> import torch
@@ -246,16 +277,21 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
     m = _check_mask(mask, x.shape, "x")
     _check_same_device(x=x, mask=mask)
     xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if process_group is not None and dim is not None:
+        raise ValueError("masked_mean: process_group needs dim=None (a global mean over every rank's tokens)")
     if dim is None:
-        total, count = xs.sum(), m.sum()
-        out = total / count.clamp(min=1).to(x.dtype)
+        total, count = xs.sum(), m.sum().to(x.dtype)
+        if process_group is not None:
+            both = _all_reduce_sum(torch.stack([total.detach(), count]), process_group)
+            total, count = total + (both[0] - total.detach()), both[1]
+        out = total / count.clamp(min=1)
         return out.reshape([1] * x.dim()) if keepdim else out
     total = xs.sum(dim=dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim)
     return total / count.clamp(min=1).to(x.dtype)
 
 
-def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
+def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group=None) -> Tensor:
     """Variance of ``x`` over all valid positions (a scalar).
 
     ``var = sum(m * (x - mean)^2) / n`` (biased, MiniMind's default) or
@@ -266,6 +302,8 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
         x: ``[*B, R]`` float tensor.
         mask: ``[*B, R]`` bool or {0, 1} tensor.
         unbiased: use Bessel's correction.
+        process_group: a ``torch.distributed`` group: the variance over the
+            valid tokens of every rank (two all-reduces: exact two-pass variance).
 
     Example:
         >>> import torch
@@ -280,16 +318,27 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
     m = _check_mask(mask, x.shape, "x")
     _check_same_device(x=x, mask=mask)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    n = m.sum().to(x.dtype)
-    mean = torch.where(m, x, zero).sum() / n.clamp(min=1)
+    total, n = torch.where(m, x, zero).sum(), m.sum().to(x.dtype)
+    if process_group is not None:
+        both = _all_reduce_sum(torch.stack([total.detach(), n]), process_group)
+        total, n = total + (both[0] - total.detach()), both[1]
+    mean = total / n.clamp(min=1)
     sq = torch.where(m, (x - mean) ** 2, zero).sum()
+    if process_group is not None:
+        sq = sq + (_all_reduce_sum(sq, process_group) - sq.detach())
     if unbiased:
         return sq / (n - 1).clamp(min=1)
     return sq / n.clamp(min=1)
 
 
 def masked_whiten(
-    x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = False, eps: float = 1e-8
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = False,
+    eps: float = 1e-8,
+    process_group=None,
 ) -> Tensor:
     """Whiten ``x`` with the mean and variance of its valid positions.
 
@@ -304,6 +353,9 @@ def masked_whiten(
         shift_mean: subtract the mean (True) or keep it.
         unbiased: Bessel-corrected variance.
         eps: added to the variance before the square root.
+        process_group: a ``torch.distributed`` group: whiten with the
+            statistics of every rank's valid tokens, so N ranks with B rows
+            each give the whitening of one process with N * B rows.
 
     Returns:
         ``[*B, R]`` tensor of ``x``'s dtype.
@@ -319,8 +371,8 @@ def masked_whiten(
     _check_positive("eps", eps)
     cd = _compute_dtype(x)
     xf = x.to(cd)
-    mean = masked_mean(xf, m)
-    var = masked_var(xf, m, unbiased=unbiased)
+    mean = masked_mean(xf, m, process_group=process_group)
+    var = masked_var(xf, m, unbiased=unbiased, process_group=process_group)
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -513,11 +565,11 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
     return r, v, m.reshape(-1, R), gamma, lam, boot, cd
 
 
-def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype):
+def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
     """Returns = raw advantages + values; whiten the advantages; zero masked positions."""
     zero = torch.zeros((), dtype=adv_raw.dtype, device=adv_raw.device)
     returns = torch.where(m, adv_raw + v, zero)
-    adv = masked_whiten(adv_raw, m) if normalize else adv_raw
+    adv = masked_whiten(adv_raw, m, process_group=process_group) if normalize else adv_raw
     return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
 
 
@@ -530,6 +582,7 @@ def masked_gae_reference(
     *,
     normalize: bool = True,
     bootstrap_value: Tensor | None = None,
+    process_group=None,
 ) -> tuple[Tensor, Tensor]:
     """The readable loop version of :func:`masked_gae` (same semantics, same outputs).
 
@@ -564,7 +617,7 @@ def masked_gae_reference(
         adv[:, t] = torch.where(valid, a, 0.0)
         next_v = torch.where(valid, v[:, t], next_v)
         next_a = torch.where(valid, a, next_a)
-    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype)
+    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 
 def masked_gae(
@@ -577,6 +630,7 @@ def masked_gae(
     normalize: bool = True,
     bootstrap_value: Tensor | None = None,
     backend: str = "auto",
+    process_group=None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the valid tokens of each row (*MiniMind*).
 
@@ -609,6 +663,9 @@ def masked_gae(
             row (0 for rows that terminated); ``None`` means all terminated.
         backend: ``"auto"`` (fastest available), ``"torch"`` (vectorised),
             ``"triton"`` (CUDA kernel) or ``"loop"`` (:func:`masked_gae_reference`).
+        process_group: a ``torch.distributed`` group: whiten over the valid
+            tokens of every rank (data-parallel training gives the numbers of
+            one process holding the whole batch).
 
     Returns:
         ``(advantages, returns)``, both ``[*B, R]`` in the dtype of ``values``.
@@ -633,11 +690,12 @@ def masked_gae(
     chosen = _gae_fast.select_backend(r.device, backend)
     if chosen == "loop":
         return masked_gae_reference(
-            token_rewards, values, mask, gamma, lam, normalize=normalize, bootstrap_value=bootstrap_value
+            token_rewards, values, mask, gamma, lam, normalize=normalize, bootstrap_value=bootstrap_value,
+            process_group=process_group,
         )
     kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
     adv = kernel(r, v, m, gamma_, lam_, boot)
-    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype)
+    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 
 # --------------------------------------------------------------------------- #
@@ -645,7 +703,55 @@ def masked_gae(
 # --------------------------------------------------------------------------- #
 
 
-def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=None) -> Tensor:
+    """The denominator :func:`aggregate_loss` divides by, optionally global across ranks.
+
+    ``token-mean``: the number of valid tokens; ``seq-mean-token-mean`` and
+    ``seq-mean-token-sum``: the number of sequences with at least one valid
+    token; ``seq-mean-token-sum-norm``: ``num_sequences * R``. At least 1.
+
+    With a ``process_group`` the count is summed over the ranks (one
+    all-reduce: compute it once per optimizer step and pass it as
+    ``normalizer=`` to every loss) and divided by the world size. Each rank's
+    loss is then ``world_size * local_numerator / global_count``, so that the
+    gradient averaging of DistributedDataParallel gives exactly the gradient
+    of one process holding every rank's rows; a rank with no valid token
+    contributes 0 and never blocks the others.
+
+    Args:
+        mask: ``[*B, R]`` bool or {0, 1}.
+        mode: an aggregation mode of :func:`aggregate_loss`.
+        process_group: a ``torch.distributed`` group, or ``None`` for this process alone.
+
+    Returns:
+        a 0-d float32 tensor on the mask's device.
+
+    Example:
+        >>> import torch
+        >>> m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+        >>> loss_normalizer(m), loss_normalizer(m, "seq-mean-token-sum"), loss_normalizer(m, "seq-mean-token-sum-norm")
+        (tensor(2.), tensor(1.), tensor(6.))
+    """
+    _check_mode(mode)
+    m = _check_tensor("mask", mask)
+    if m.dim() < 1:
+        raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
+    m = _check_mask(mask, mask.shape, "mask")
+    R = m.shape[-1]
+    fm = m.reshape(-1, R)
+    if mode == "token-mean":
+        count = fm.sum()
+    elif mode == "seq-mean-token-sum-norm":
+        count = torch.tensor(fm.shape[0] * R, device=m.device)
+    else:
+        count = fm.any(-1).sum()
+    count = _all_reduce_sum(count.to(torch.float32), process_group)
+    return count.clamp(min=1) / _world_size(process_group)
+
+
+def aggregate_loss(
+    per_token: Tensor, mask: Tensor, mode: str = "token-mean", *, normalizer: Tensor | float | None = None
+) -> Tensor:
     """Reduce a per-token loss ``[*B, R]`` to a scalar over the valid tokens.
 
     Modes (the names verl uses):
@@ -661,11 +767,15 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") ->
       Liu et al. 2025, arXiv:2503.20783), so long answers are not down-weighted.
 
     Sequences are the rows of the flattened leading dims. An empty mask gives 0.
+    Each mode is ``numerator / normalizer`` with the denominator of
+    :func:`loss_normalizer`; pass ``normalizer=`` (e.g. a count global over
+    data-parallel ranks) to replace the local one.
 
     Args:
         per_token: ``[*B, R]`` float per-token loss.
         mask: ``[*B, R]`` bool or {0, 1}.
         mode: one of the four modes above.
+        normalizer: optional positive denominator (0-d tensor or float).
 
     Example:
         >>> import torch
@@ -679,25 +789,33 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") ->
         tensor(5.)
         >>> aggregate_loss(L, m, "seq-mean-token-sum-norm")  # 10 / (2 * 2)
         tensor(2.5000)
+        >>> aggregate_loss(L, m, normalizer=10.0)          # (1 + 3 + 6) / 10
+        tensor(1.)
     """
     _check_float("per_token", per_token)
     _check_mode(mode)
-    m = _check_mask(mask, per_token.shape, "per_token")
     if per_token.dim() < 1:
         raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
-    if mode == "token-mean":
-        return masked_mean(per_token, m)
+    m = _check_mask(mask, per_token.shape, "per_token")
+    if normalizer is None:
+        normalizer = loss_normalizer(m, mode)
+    elif isinstance(normalizer, Tensor):
+        if normalizer.numel() != 1 or not normalizer.is_floating_point():
+            raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
+        _check_same_device(per_token=per_token, normalizer=normalizer)
+        normalizer = normalizer.reshape(())
+    else:
+        normalizer = _check_positive("normalizer", normalizer)
     R = per_token.shape[-1]
     flat, fm = per_token.reshape(-1, R), m.reshape(-1, R)
-    seq_sum = masked_sum(flat, fm, dim=-1)
-    if mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / max(flat.shape[0] * R, 1)
-    has_tokens = fm.any(-1)
-    if mode == "seq-mean-token-mean":
-        seq = seq_sum / fm.sum(-1).clamp(min=1).to(per_token.dtype)
+    if mode in ("token-mean", "seq-mean-token-sum-norm"):
+        numerator = masked_sum(flat, fm)
     else:
-        seq = seq_sum
-    return masked_mean(seq, has_tokens)
+        seq = masked_sum(flat, fm, dim=-1)
+        if mode == "seq-mean-token-mean":
+            seq = seq / fm.sum(-1).clamp(min=1).to(per_token.dtype)
+        numerator = seq.sum()
+    return numerator / normalizer
 
 
 # --------------------------------------------------------------------------- #
@@ -715,6 +833,7 @@ def ppo_policy_loss(
     clip_epsilon_high: float | None = None,
     dual_clip: float | None = None,
     loss_agg_mode: str = "token-mean",
+    normalizer: Tensor | float | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate objective, as a loss to minimise (*MiniMind*).
@@ -747,6 +866,7 @@ def ppo_policy_loss(
         clip_epsilon_high: optional ``eps_high`` > 0.
         dual_clip: optional ``c > 1``.
         loss_agg_mode: see :func:`aggregate_loss`.
+        normalizer: replaces the local denominator (see :func:`loss_normalizer`).
         return_stats: also return a dict of detached, masked diagnostics:
             ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
             ``clipfrac``), ``clip_fraction_low``, ``clip_fraction_high``,
@@ -791,7 +911,7 @@ def ppo_policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
-    loss = aggregate_loss(per_token, m, loss_agg_mode)
+    loss = aggregate_loss(per_token, m, loss_agg_mode, normalizer=normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():
@@ -907,6 +1027,7 @@ def reference_kl_penalty(
     estimator: str = "k3",
     clamp: float | None = None,
     loss_agg_mode: str = "token-mean",
+    normalizer: Tensor | float | None = None,
 ) -> Tensor:
     """Masked mean of the per-token KL to the reference policy (*MiniMind*).
 
@@ -922,6 +1043,7 @@ def reference_kl_penalty(
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
         clamp: optional bound on the per-token estimate.
         loss_agg_mode: see :func:`aggregate_loss`.
+        normalizer: replaces the local denominator (see :func:`loss_normalizer`).
 
     Example:
         >>> import torch
@@ -940,7 +1062,7 @@ def reference_kl_penalty(
     safe_pol = torch.where(m, policy_logps, zero)
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
     kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp)
-    return aggregate_loss(kl, m, loss_agg_mode)
+    return aggregate_loss(kl, m, loss_agg_mode, normalizer=normalizer)
 
 
 # --------------------------------------------------------------------------- #
@@ -956,6 +1078,7 @@ def clipped_value_loss(
     cliprange_value: float,
     *,
     loss_agg_mode: str = "token-mean",
+    normalizer: Tensor | float | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped value loss (*MiniMind*)::
@@ -974,6 +1097,7 @@ def clipped_value_loss(
         mask: ``[*B, R]`` bool or {0, 1}.
         cliprange_value: ``c`` > 0 (MiniMind: 0.2).
         loss_agg_mode: see :func:`aggregate_loss`.
+        normalizer: replaces the local denominator (see :func:`loss_normalizer`).
         return_stats: also return ``{"value_clip_fraction": ...}``, the fraction
             of valid tokens whose clipped branch is the larger (its gradient is 0).
 
@@ -1000,7 +1124,7 @@ def clipped_value_loss(
     unclipped = (v - ret) ** 2
     clipped = (v_clip - ret) ** 2
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(per_token, m, loss_agg_mode)
+    loss = aggregate_loss(per_token, m, loss_agg_mode, normalizer=normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():

@@ -16,6 +16,7 @@ from ppo_objectives.functional import (
     clipped_value_loss,
     explained_variance,
     kl_estimate,
+    loss_normalizer,
     masked_gae,
     masked_gae_reference,
     masked_mean,
@@ -396,6 +397,15 @@ def test_aggregate_loss_equals_naive(mode, kind, device):
     assert got.item() == pytest.approx(naive_aggregate(L, m, mode))
 
 
+@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+def test_aggregate_loss_is_numerator_over_loss_normalizer(mode):
+    g = torch.Generator().manual_seed(17)
+    L = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    m = torch.rand(4, 6, generator=g) > 0.5
+    n = loss_normalizer(m, mode)
+    torch.testing.assert_close(aggregate_loss(L, m, mode, normalizer=2 * n) * 2, aggregate_loss(L, m, mode))
+
+
 def test_aggregate_loss_flattens_leading_dims():
     g = torch.Generator().manual_seed(10)
     L = torch.randn(2, 3, 4, generator=g)
@@ -710,6 +720,11 @@ BAD = [
     ("prompt_lens batch", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1, 1]), 2), ValueError, r"prompt_lens has shape \(2,\), expected \[B\] = \[1\]"),
     ("chunk size", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1]), 2, chunk_size=0), ValueError, r"chunk_size=0"),
     ("explained variance shapes", lambda: explained_variance(x3, torch.zeros(3, 2), m3), ValueError, r"returns has shape"),
+    ("normalizer tensor shape", lambda: aggregate_loss(x3, m3, normalizer=torch.ones(2)), TypeError, r"normalizer must be a positive float or a one-element float tensor"),
+    ("normalizer <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, normalizer=0.0), ValueError, r"normalizer=0.0 must be a finite number > 0"),
+    ("normalizer mode", lambda: loss_normalizer(m3, "sum"), ValueError, r"loss_agg_mode='sum' is not one of"),
+    ("normalizer scalar mask", lambda: loss_normalizer(torch.tensor(True)), ValueError, r"token axis"),
+    ("process_group with dim", lambda: masked_mean(x3, m3, dim=-1, process_group=object()), ValueError, r"process_group needs dim=None"),
     ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"old_logps has shape"),
 ]
 
