@@ -187,6 +187,11 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _rows(x: Tensor) -> Tensor:
+    """View ``[*B, R]`` as ``[prod(B), R]`` (also for R = 0 or empty batches)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def _check_mode(loss_agg_mode: str) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
@@ -554,15 +559,14 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
                 f"one value per row, used after that row's last valid token (pass 0 for rows that terminated)"
             )
     cd = _compute_dtype(token_rewards, values, *(() if bootstrap_value is None else (bootstrap_value,)))
-    R = token_rewards.shape[-1]
-    r = token_rewards.to(cd).reshape(-1, R)
-    v = values.to(cd).reshape(-1, R)
+    r = _rows(token_rewards.to(cd))
+    v = _rows(values.to(cd))
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
     if isinstance(gamma, Tensor):
         gamma = gamma.to(cd).reshape(())
     if isinstance(lam, Tensor):
         lam = lam.to(cd).reshape(())
-    return r, v, m.reshape(-1, R), gamma, lam, boot, cd
+    return r, v, _rows(m), gamma, lam, boot, cd
 
 
 def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
@@ -694,7 +698,7 @@ def masked_gae(
             process_group=process_group,
         )
     kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
-    adv = kernel(r, v, m, gamma_, lam_, boot)
+    adv = torch.zeros_like(r) if r.numel() == 0 else kernel(r, v, m, gamma_, lam_, boot)
     return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 
@@ -738,7 +742,7 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
         raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
     m = _check_mask(mask, mask.shape, "mask")
     R = m.shape[-1]
-    fm = m.reshape(-1, R)
+    fm = _rows(m)
     if mode == "token-mean":
         count = fm.sum()
     elif mode == "seq-mean-token-sum-norm":
@@ -806,8 +810,7 @@ def aggregate_loss(
         normalizer = normalizer.reshape(())
     else:
         normalizer = _check_positive("normalizer", normalizer)
-    R = per_token.shape[-1]
-    flat, fm = per_token.reshape(-1, R), m.reshape(-1, R)
+    flat, fm = _rows(per_token), _rows(m)
     if mode in ("token-mean", "seq-mean-token-sum-norm"):
         numerator = masked_sum(flat, fm)
     else:
@@ -933,7 +936,8 @@ def ppo_policy_loss(
             "dual_clip_fraction": fm(dual),
             "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
             "ratio_mean": masked_mean(r, m),
-            "ratio_max": torch.where(m.any(), torch.where(m, r, zero).max(), zero),
+            # ratios are positive, so a 0 appended makes the max of an empty mask 0
+            "ratio_max": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
             "ess": ess,
         }
     return loss, stats

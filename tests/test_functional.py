@@ -745,3 +745,19 @@ def test_mixed_devices_raise_on_meta():
     # 'meta' stands in for a second device on a CPU-only machine
     with pytest.raises(ValueError, match=r"all tensors must be on one device.*mask on meta"):
         masked_sum(torch.zeros(3), torch.ones(3, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0), (2, 0, 3)])
+def test_empty_batches_and_empty_responses_give_zeros(shape):
+    x = torch.randn(shape)
+    m = torch.ones(shape, dtype=torch.bool)
+    for fn in (masked_gae, masked_gae_reference):
+        adv, ret = fn(x, x, m, 1.0, 0.95)
+        assert adv.shape == shape and ret.shape == shape
+    loss, stats = ppo_policy_loss(x, x, x, m, 0.2, return_stats=True)
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
+    assert reference_kl_penalty(x, x, m).item() == 0.0
+    assert clipped_value_loss(x, x, x, m, 0.2).item() == 0.0
+    assert masked_whiten(x, m).shape == shape
+    for mode in F.LOSS_AGG_MODES:
+        assert aggregate_loss(x, m, mode).item() == 0.0
