@@ -1,0 +1,555 @@
+"""A token-level language-model environment for TorchRL, and a verifiable toy task.
+
+:class:`TokenLMEnv` is a batched ``torchrl.envs.EnvBase`` in which **one step
+is one token**: the policy reads the token buffer and emits the next token id;
+the episode ends at EOS (``terminated``) or after ``max_new_tokens`` tokens
+(``truncated``). Rows reset independently, so a TorchRL collector keeps every
+row busy. :func:`trajectories_to_llm_batch` turns the collector's per-token
+batch ``[N, T]`` into the LLM layout ``[B, R]`` (one row per finished
+response) that the losses read.
+
+:class:`DigitTask` is the shipped toy task (in the spirit of minGPT's adder):
+digits in, the exactly checkable answer out, with partial credit.
+
+Shape letters:
+
+- ``N``: parallel env rows (``env.batch_size == [N]``); ``T``: collector steps.
+- ``P``: prompt width (prompts are **left-padded** to it, as in MiniMind);
+  ``M = max_new_tokens``; ``S = P + M``: the token buffer.
+- ``B``: finished responses in a batch; ``R = M``: response length (padded).
+
+Observation / action / reward (all TensorDict keys at the root):
+
+====================  ===============  ==============================================
+key                   shape, dtype     meaning
+====================  ===============  ==============================================
+``tokens``            ``[N, S]`` int64 prompt (columns ``< P``) then generated tokens
+``attention_mask``    ``[N, S]`` bool  True = real token (prompt or generated)
+``position``          ``[N]`` int64    column the next token goes to (``P + step``)
+``action``            ``[N]`` int64    the next token id
+``("next","reward")`` ``[N, 1]`` f32   sequence score on the last token (+ shaping)
+``("next","done")``   ``[N, 1]`` bool  ``terminated | truncated``
+====================  ===============  ==============================================
+
+Example (the reverse task, a scripted policy that answers correctly):
+    >>> import torch
+    >>> task = DigitTask("reverse", num_digits=3)
+    >>> env = TokenLMEnv.from_task(task, num_envs=1, seed=0)
+    >>> td = env.reset()
+    >>> task.decode(td["tokens"][0, : env.prompt_len])
+    '930<'
+    >>> for tok in task.encode("039."):
+    ...     td["action"] = torch.tensor([tok])
+    ...     td = env.step(td)
+    ...     reward, done = td["next", "reward"].item(), td["next", "done"].item()
+    ...     td = td["next"]
+    >>> reward, done, td["terminated"].item()
+    (1.0, True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+__all__ = [
+    "DigitTask",
+    "TokenLMEnv",
+    "trajectories_to_llm_batch",
+]
+
+RewardFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------- #
+# The toy task
+# --------------------------------------------------------------------------- #
+
+
+class DigitTask:
+    """Digits in, a checkable answer out: ``copy``, ``reverse`` or ``add``.
+
+    **Encoding.** 16 tokens, one character each::
+
+        id:   0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15
+        char: _   .   0   1   2   3   4   5   6   7   8   9   +   =   <   >
+
+    ``_`` is padding, ``.`` is EOS. Prompts and answers, for ``num_digits=3``:
+
+    - ``reverse``: ``"123<"`` -> ``"321."``
+    - ``copy``:    ``"123>"`` -> ``"123."``
+    - ``add``:     ``"123+456="`` -> ``"0579."`` (sum zero-padded to ``num_digits + 1`` digits)
+
+    A worked string: the prompt ``"123<"`` is ``[3, 4, 5, 14]``; the correct
+    response ``"321."`` is ``[5, 4, 3, 1]``.
+
+    **Reward** (partial credit, in [0, 1]): the target is the answer digits
+    followed by EOS, ``K + 1`` tokens; the reward is the fraction of target
+    tokens the response has at the right index. ``"321."`` scores 1.0,
+    ``"311."`` 3/4, ``"32."`` 2/4 (the third digit and the EOS are missing),
+    ``"3210"`` (no EOS) 3/4.
+
+    With ``min_digits < num_digits`` the copy/reverse prompts have varying
+    lengths and are left-padded in the env.
+
+    Example:
+        >>> task = DigitTask("reverse", num_digits=3)
+        >>> task.encode("123<"), task.encode("321.")
+        ([3, 4, 5, 14], [5, 4, 3, 1])
+        >>> prompt = torch.tensor([task.encode("123<")])
+        >>> resp = torch.tensor([task.encode("321."), task.encode("311."), task.encode("32._")])
+        >>> task.reward(prompt.expand(3, -1), torch.ones(3, 4, dtype=torch.bool), resp, resp != 0)
+        tensor([1.0000, 0.7500, 0.5000])
+    """
+
+    VOCAB = "_.0123456789+=<>"
+    PAD, EOS = 0, 1
+    _OPS = ("copy", "reverse", "add")
+
+    def __init__(self, op: str = "reverse", num_digits: int = 3, *, min_digits: int | None = None):
+        if op not in self._OPS:
+            raise ValueError(f"DigitTask op={op!r} is unknown; choose one of {self._OPS}")
+        if isinstance(num_digits, bool) or not isinstance(num_digits, int) or not 1 <= num_digits <= 9:
+            raise ValueError(f"num_digits={num_digits!r} must be an int in [1, 9]")
+        min_digits = num_digits if min_digits is None else min_digits
+        if not 1 <= min_digits <= num_digits:
+            raise ValueError(f"min_digits={min_digits!r} must be in [1, num_digits={num_digits}]")
+        if op == "add" and min_digits != num_digits:
+            raise ValueError("the add task has fixed-width operands; leave min_digits unset")
+        self.op, self.num_digits, self.min_digits = op, num_digits, min_digits
+
+    def __repr__(self) -> str:
+        return f"DigitTask(op={self.op!r}, num_digits={self.num_digits}, min_digits={self.min_digits})"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.VOCAB)
+
+    @property
+    def prompt_len(self) -> int:
+        """``P``: the widest prompt, in tokens."""
+        return 2 * self.num_digits + 2 if self.op == "add" else self.num_digits + 1
+
+    @property
+    def answer_len(self) -> int:
+        """Answer tokens including EOS (``K + 1``): the natural ``max_new_tokens``."""
+        return (self.num_digits + 2) if self.op == "add" else (self.num_digits + 1)
+
+    def encode(self, text: str) -> list[int]:
+        bad = sorted(set(text) - set(self.VOCAB))
+        if bad:
+            raise ValueError(f"cannot encode {text!r}: characters {bad} are not in the vocabulary {self.VOCAB!r}")
+        return [self.VOCAB.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        return "".join(self.VOCAB[i] for i in ids)
+
+    def sample_prompts(self, k: int, generator: torch.Generator | None = None) -> list[Tensor]:
+        """``k`` random prompts (1-D int64 tensors, no padding)."""
+        d = self.num_digits
+        if self.op == "add":
+            digits = torch.randint(10, (k, 2 * d), generator=generator) + 2
+            plus = torch.full((k, 1), 12, dtype=torch.long)
+            eq = torch.full((k, 1), 13, dtype=torch.long)
+            rows = torch.cat([digits[:, :d], plus, digits[:, d:], eq], 1)
+            return list(rows.unbind(0))
+        op_tok = 14 if self.op == "reverse" else 15
+        lens = torch.randint(self.min_digits, d + 1, (k,), generator=generator)
+        digits = torch.randint(10, (k, d), generator=generator) + 2
+        return [torch.cat([digits[i, : int(n)], torch.tensor([op_tok])]) for i, n in enumerate(lens)]
+
+    __call__ = sample_prompts  # a task is a prompt source: task(k, generator)
+
+    def targets(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
+        """The correct responses ``[N, K + 1]`` (digits then EOS, right-padded with ``_``)
+        for left-padded prompts ``[N, P]``."""
+        N, P = prompt_ids.shape
+        K1 = self.answer_len
+        device = prompt_ids.device
+        if self.op == "add":
+            d = self.num_digits
+            x = prompt_ids[:, -(2 * d + 2) :] - 2
+            place = 10 ** torch.arange(d - 1, -1, -1, device=device)
+            total = (x[:, :d] * place).sum(-1) + (x[:, d + 1 : 2 * d + 1] * place).sum(-1)  # [N]
+            place1 = 10 ** torch.arange(d, -1, -1, device=device)
+            ans = (total[:, None] // place1) % 10 + 2  # [N, d + 1]
+            return torch.cat([ans, torch.full((N, 1), self.EOS, device=device, dtype=torch.long)], 1)
+        n = prompt_mask.long().sum(-1) - 1  # [N] digits per prompt
+        j = torch.arange(K1, device=device)
+        if self.op == "reverse":
+            src = (P - 2 - j)[None, :].expand(N, K1)  # answer digit j is prompt column P - 2 - j
+        else:
+            src = (P - 1 - n)[:, None] + j[None, :]  # answer digit j is prompt column P - 1 - n + j
+        digits = prompt_ids.gather(1, src.clamp(0, P - 1))
+        out = torch.where(j[None] < n[:, None], digits, self.PAD)
+        return torch.where(j[None] == n[:, None], self.EOS, out)
+
+    def reward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+        """Fraction of target tokens (digits + EOS) matched at their index, ``[N]`` float32."""
+        target = self.targets(prompt_ids, prompt_mask)  # [N, K1]
+        K1 = target.shape[1]
+        M = response_ids.shape[1]
+        if M < K1:  # a too-short budget cannot hold the whole answer: pad the response
+            pad = torch.zeros(response_ids.shape[0], K1 - M, dtype=response_ids.dtype, device=response_ids.device)
+            response_ids = torch.cat([response_ids, pad], 1)
+            response_mask = torch.cat([response_mask.bool(), pad.bool()], 1)
+        resp = torch.where(response_mask[:, :K1].bool(), response_ids[:, :K1], -1)
+        counted = target != self.PAD
+        hits = ((resp == target) & counted).sum(-1).float()
+        return hits / counted.sum(-1).float()
+
+
+# --------------------------------------------------------------------------- #
+# Prompt sources
+# --------------------------------------------------------------------------- #
+
+
+class _PromptStream:
+    """Draws prompts from a callable sampler, a tensor / list (cycled), or any iterable."""
+
+    def __init__(self, source: Any, pad_id: int):
+        self.pad_id = pad_id
+        self._pending: list[Tensor] = []
+        self._iter = None
+        if callable(source) and not isinstance(source, (Tensor, list, tuple)) and not hasattr(source, "__iter__"):
+            self.kind = "sampler"
+        elif isinstance(source, (Tensor, list, tuple)):
+            self.kind = "finite"
+            if len(source) == 0:
+                raise ValueError("the prompt source is empty: give at least one prompt")
+        elif isinstance(source, Iterable):
+            self.kind = "iterable"
+        else:
+            raise TypeError(
+                f"prompts must be a callable (k, generator) -> prompts, a tensor, a list of token-id sequences, "
+                f"or an iterable / DataLoader of them; got {type(source).__name__}"
+            )
+        self.source = source
+        self._cursor = 0
+
+    def _rows(self, item) -> list[Tensor]:
+        """One source item -> 1-D prompts with the left padding stripped."""
+        if isinstance(item, dict) or isinstance(item, TensorDictBase):
+            ids = torch.as_tensor(item["input_ids"])
+            mask = item.get("attention_mask", None) if isinstance(item, dict) else item.get("attention_mask", None)
+            mask = torch.as_tensor(mask).bool() if mask is not None else ids != self.pad_id
+            ids = ids.reshape(-1, ids.shape[-1])
+            mask = mask.reshape(-1, ids.shape[-1])
+            return [r[m] for r, m in zip(ids, mask)]
+        t = torch.as_tensor(item, dtype=torch.long)
+        if t.dim() == 1:
+            return [t]
+        if t.dim() == 2:  # a batch of left-padded prompts
+            return [r[r.ne(self.pad_id).long().cummax(0).values.bool()] for r in t]
+        raise ValueError(f"a prompt must be 1-D (or a 2-D batch), got shape {tuple(t.shape)}")
+
+    def take(self, k: int, generator: torch.Generator) -> list[Tensor]:
+        if self.kind == "sampler":
+            out = self.source(k, generator)
+            rows = self._rows(out) if isinstance(out, Tensor) else [torch.as_tensor(r, dtype=torch.long) for r in out]
+            if len(rows) != k:
+                raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
+            return rows
+        out: list[Tensor] = []
+        while len(out) < k:
+            if self._pending:
+                out.append(self._pending.pop(0))
+                continue
+            if self.kind == "finite":
+                item = self.source[self._cursor % len(self.source)]
+                self._cursor += 1
+                self._pending.extend(self._rows(item))
+            else:
+                if self._iter is None:
+                    self._iter = iter(self.source)
+                try:
+                    item = next(self._iter)
+                except StopIteration:
+                    self._iter = iter(self.source)
+                    if self._iter is self.source:  # a one-shot iterator cannot be restarted
+                        raise ValueError(
+                            "the prompt iterator is exhausted; pass a re-iterable source (a list, a DataLoader)"
+                        ) from None
+                    try:
+                        item = next(self._iter)
+                    except StopIteration:
+                        raise ValueError("the prompt iterable yielded nothing; give a non-empty source") from None
+                self._pending.extend(self._rows(item))
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# The environment
+# --------------------------------------------------------------------------- #
+
+
+class TokenLMEnv(EnvBase):
+    """Batched token-by-token generation as a TorchRL environment.
+
+    Args:
+        prompts: where prompts come from: a callable ``(k, generator) -> k prompts``
+            (a :class:`DigitTask` is one), a 2-D tensor of left-padded prompts or a
+            list of token-id sequences (cycled in order), or any iterable /
+            ``DataLoader`` yielding prompts, batches of them, or dicts with
+            ``input_ids`` (+ ``attention_mask``); exhausted iterables restart.
+        reward_fn: ``(prompt_ids [k, P], prompt_mask [k, P], response_ids [k, M],
+            response_mask [k, M]) -> [k]`` score of each **finished** response (only
+            finished rows are passed), placed on its last token.
+        num_envs: ``N``, the batch of rows.
+        prompt_len: ``P``; longer prompts raise.
+        max_new_tokens: ``M``; a row that reaches it without EOS is ``truncated``.
+        eos_id / pad_id: token ids.
+        vocab_size: ``V`` (the action space).
+        token_reward_fn: optional shaping ``(response_ids [N, M], response_mask [N, M],
+            index [N]) -> [N]`` added to every step's reward (``index`` = the
+            response index of the token just generated).
+        device: where the env's tensors live.
+        seed: seed of the prompt generator (:meth:`set_seed`).
+
+    Prompts are left-padded to width ``P`` so every response starts at column
+    ``P``. ``reset`` draws a fresh prompt for each row being reset (only those:
+    ``_reset`` partial resets draw ``k`` prompts for ``k`` rows).
+
+    Example:
+        >>> from torchrl.envs.utils import check_env_specs
+        >>> env = TokenLMEnv.from_task(DigitTask("copy", 2), num_envs=4, seed=0)
+        >>> check_env_specs(env)  # doctest: +ELLIPSIS
+        >>> env.batch_size, env.prompt_len, env.max_new_tokens
+        (torch.Size([4]), 3, 3)
+    """
+
+    def __init__(
+        self,
+        prompts: Any,
+        reward_fn: RewardFn,
+        *,
+        num_envs: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int = 0,
+        token_reward_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+    ):
+        for name, value, low in (
+            ("num_envs", num_envs, 1),
+            ("prompt_len", prompt_len, 1),
+            ("max_new_tokens", max_new_tokens, 1),
+            ("vocab_size", vocab_size, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"TokenLMEnv {name}={value!r} must be an int >= {low}")
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= value < vocab_size:
+                raise ValueError(f"TokenLMEnv {name}={value} is outside the vocabulary [0, {vocab_size})")
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        super().__init__(device=device, batch_size=torch.Size([num_envs]))
+        self.prompt_len, self.max_new_tokens, self.vocab_size = prompt_len, max_new_tokens, vocab_size
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.reward_fn, self.token_reward_fn = reward_fn, token_reward_fn
+        self._prompts = _PromptStream(prompts, pad_id)
+        self._generator = torch.Generator()
+        self._make_specs()
+        self.set_seed(0 if seed is None else seed)
+
+    @classmethod
+    def from_task(cls, task: DigitTask, *, num_envs: int, max_new_tokens: int | None = None, **kwargs) -> "TokenLMEnv":
+        """An env for a :class:`DigitTask` (prompt width, vocab, EOS and reward from the task)."""
+        return cls(
+            task,
+            task.reward,
+            num_envs=num_envs,
+            prompt_len=task.prompt_len,
+            max_new_tokens=task.answer_len if max_new_tokens is None else max_new_tokens,
+            vocab_size=task.vocab_size,
+            eos_id=task.EOS,
+            pad_id=task.PAD,
+            **kwargs,
+        )
+
+    @property
+    def seq_len(self) -> int:
+        """``S = P + M``, the token buffer length."""
+        return self.prompt_len + self.max_new_tokens
+
+    def _make_specs(self) -> None:
+        N, S, V, P = self.batch_size[0], self.seq_len, self.vocab_size, self.prompt_len
+        self.observation_spec = Composite(
+            tokens=Categorical(V, shape=(N, S), dtype=torch.long),
+            attention_mask=Categorical(2, shape=(N, S), dtype=torch.bool),
+            position=Bounded(low=P, high=S, shape=(N,), dtype=torch.long),
+            shape=(N,),
+        )
+        self.action_spec = Categorical(V, shape=(N,), dtype=torch.long)
+        self.reward_spec = Unbounded(shape=(N, 1), dtype=torch.float32)
+        self.done_spec = Composite(
+            done=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            terminated=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            truncated=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            shape=(N,),
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._generator.manual_seed(int(seed) if seed is not None else torch.seed())
+
+    def _left_pad(self, prompts: list[Tensor]) -> tuple[Tensor, Tensor]:
+        P = self.prompt_len
+        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            n = p.numel()
+            if n == 0 or n > P:
+                raise ValueError(
+                    f"prompt {i} has {n} tokens but the env's prompt_len is P={P}; every prompt needs 1..P "
+                    f"tokens: raise prompt_len or shorten the prompts"
+                )
+            ids[i, P - n :] = p
+            mask[i, P - n :] = True
+        return ids.to(self.device), mask.to(self.device)
+
+    def _reset(self, tensordict: TensorDictBase | None, **kwargs) -> TensorDictBase:
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        reset = tensordict.get("_reset", None) if tensordict is not None else None
+        tokens = torch.full((N, S), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(N, S, dtype=torch.bool, device=self.device)
+        if reset is None:
+            rows = torch.arange(N, device=self.device)
+        else:
+            rows = reset.reshape(N).nonzero().squeeze(-1)
+        ids, pmask = self._left_pad(self._prompts.take(rows.numel(), self._generator))
+        tokens[rows, :P] = ids
+        mask[rows, :P] = pmask
+        false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
+        return TensorDict(
+            tokens=tokens,
+            attention_mask=mask,
+            position=torch.full((N,), P, dtype=torch.long, device=self.device),
+            done=false,
+            terminated=false.clone(),
+            truncated=false.clone(),
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        action = tensordict.get("action").reshape(N).long()
+        position = tensordict.get("position").reshape(N)
+        col = position.clamp(max=S - 1)[:, None]  # a done row stepped again stays in bounds
+        tokens = tensordict.get("tokens").scatter(1, col, action[:, None])
+        mask = tensordict.get("attention_mask").scatter(1, col, True)
+        new_position = position + 1
+        terminated = action == self.eos_id
+        truncated = (new_position - P >= self.max_new_tokens) & ~terminated
+        done = terminated | truncated
+        reward = torch.zeros(N, dtype=torch.float32, device=self.device)
+        if done.any():  # score finished responses only (one host sync per step)
+            rows = done.nonzero().squeeze(-1)
+            score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:])
+            reward[rows] = torch.as_tensor(score, dtype=torch.float32, device=self.device).reshape(-1)
+        if self.token_reward_fn is not None:
+            reward = reward + self.token_reward_fn(tokens[:, P:], mask[:, P:], position - P).reshape(N).float()
+        return TensorDict(
+            tokens=tokens,
+            attention_mask=mask,
+            position=new_position,
+            reward=reward[:, None],
+            done=done[:, None],
+            terminated=terminated[:, None],
+            truncated=truncated[:, None],
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Collector batch [N, T] -> LLM layout [B, R]
+# --------------------------------------------------------------------------- #
+
+
+def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_tokens: int) -> TensorDict:
+    """Finished responses of a per-token collector batch, one row each.
+
+    A TorchRL collector returns ``[N, T]`` steps (or ``[T]`` for one env), each
+    row a stream of episodes of varying length. Every step whose
+    ``("next", "done")`` is set closes one response; it is kept when its first
+    token is inside the batch (episodes cut by the batch's start are
+    dropped -- with ``reset_at_each_iter=True`` none are). Response token
+    ``j`` of an episode ending at step ``t`` with length ``n`` was produced at
+    step ``t - n + 1 + j``.
+
+    Args:
+        batch: collector output with ``action``, ``sample_log_prob`` and ``("next", ...)``
+            ``tokens`` / ``attention_mask`` / ``position`` / ``reward`` /
+            ``terminated`` / ``truncated``.
+        prompt_len / max_new_tokens: ``P`` and ``M = R`` of the env.
+
+    Returns:
+        ``TensorDict`` with ``batch_size [B]``: ``input_ids [B, S]``,
+        ``attention_mask [B, S]`` (prompt + response), ``response_ids [B, R]``,
+        ``mask [B, R]`` (True = generated token), ``sample_log_prob [B, R]``
+        (behaviour log-probs, 0 at padding), ``token_reward [B, R]`` (the env's
+        per-step rewards: the score on the last token plus any shaping),
+        ``score [B]`` (the last step's reward), ``terminated [B]`` and
+        ``truncated [B]`` (bool).
+
+    Example:
+        >>> from torchrl.collectors import Collector  # torchrl 0.14's name for SyncDataCollector
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig, make_actor
+        >>> task = DigitTask("reverse", 2)
+        >>> env = TokenLMEnv.from_task(task, num_envs=4, seed=0)
+        >>> actor = make_actor(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=16, block_size=6)))
+        >>> collector = Collector(env, actor, frames_per_batch=4 * 3, total_frames=12, reset_at_each_iter=True,
+        ...                       auto_register_policy_transforms=False)
+        >>> llm = trajectories_to_llm_batch(next(iter(collector)), env.prompt_len, env.max_new_tokens)
+        >>> collector.shutdown()
+        >>> llm["response_ids"].shape[1], llm["mask"].dtype, bool((llm["sample_log_prob"] <= 0).all())
+        (3, torch.bool, True)
+    """
+    P, M = prompt_len, max_new_tokens
+    if batch.batch_dims == 1:
+        batch = batch.unsqueeze(0)
+    if batch.batch_dims != 2:
+        raise ValueError(f"expected a collector batch [N, T] or [T], got batch_size {tuple(batch.batch_size)}")
+    nxt = batch.get("next")
+    done = nxt.get("done").reshape(batch.shape)  # [N, T]
+    n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)
+    length = nxt.get("position")[n_idx, t_idx] - P  # [B] tokens generated
+    start = t_idx - length + 1
+    keep = start >= 0
+    n_idx, t_idx, length, start = n_idx[keep], t_idx[keep], length[keep], start[keep]
+    B = n_idx.numel()
+    j = torch.arange(M, device=done.device)
+    in_resp = j[None, :] < length[:, None]  # [B, M]
+    steps = (start[:, None] + j[None, :]).clamp(max=batch.shape[1] - 1)  # [B, M]
+    rows = n_idx[:, None].expand(B, M)
+    logp = batch.get("sample_log_prob").reshape(batch.shape)[rows, steps].float()
+    token_reward = nxt.get("reward").reshape(batch.shape)[rows, steps].float()
+    input_ids = nxt.get("tokens")[n_idx, t_idx]  # [B, S]
+    attention_mask = nxt.get("attention_mask")[n_idx, t_idx].bool()
+    zero = torch.zeros((), device=done.device)
+    return TensorDict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_ids=input_ids[:, P:],
+        mask=in_resp,
+        sample_log_prob=torch.where(in_resp, logp, zero),
+        token_reward=torch.where(in_resp, token_reward, zero),
+        score=nxt.get("reward").reshape(batch.shape)[n_idx, t_idx].float(),
+        terminated=nxt.get("terminated").reshape(batch.shape)[n_idx, t_idx].bool(),
+        truncated=nxt.get("truncated").reshape(batch.shape)[n_idx, t_idx].bool(),
+        batch_size=[B],
+        device=batch.device,
+    )

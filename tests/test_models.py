@@ -1,0 +1,344 @@
+"""TinyCausalLM, its KV cache, the env policy and the training-time actor / critic."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.models import (
+    PRESETS,
+    HFCausalLMAdapter,
+    NextTokenLogits,
+    ResponseLogProbs,
+    ResponseValues,
+    TinyCausalLM,
+    TinyLMConfig,
+    make_actor,
+    make_actor_critic,
+    position_ids_from_mask,
+    sample_with_kv_cache,
+)
+
+
+def _lm(vocab=16, block=16, preset="pico", seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    return TinyCausalLM(TinyLMConfig.preset(preset, vocab_size=vocab, block_size=block)).to(device).eval()
+
+
+def _left_padded_batch(device="cpu"):
+    # row 0: two pads then 4 tokens; row 1: six real tokens
+    ids = torch.tensor([[0, 0, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], device=device)
+    return ids, ids != 0
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_presets_build_models_of_increasing_size():
+    sizes = [
+        sum(p.numel() for p in TinyCausalLM(TinyLMConfig.preset(n, vocab_size=16, block_size=16)).parameters())
+        for n in ("pico", "nano", "micro")
+    ]
+    assert set(PRESETS) == {"pico", "nano", "micro"}
+    assert sizes == sorted(sizes) and sizes[0] < 10_000
+
+
+def test_config_rejects_width_not_divisible_by_heads():
+    with pytest.raises(ValueError, match="n_embd=30 is not divisible by n_head=4"):
+        TinyLMConfig(n_embd=30, n_head=4)
+
+
+def test_config_rejects_unknown_preset_and_bad_sizes():
+    with pytest.raises(ValueError, match="unknown preset 'giga'"):
+        TinyLMConfig.preset("giga")
+    with pytest.raises(ValueError, match="n_layer=0 must be a positive int"):
+        TinyLMConfig(n_layer=0)
+    with pytest.raises(ValueError, match="dropout=1.5 must be in"):
+        TinyLMConfig(dropout=1.5)
+    with pytest.raises(TypeError, match="config must be a TinyLMConfig"):
+        TinyCausalLM({"n_layer": 1})
+
+
+def test_position_ids_ignore_left_padding():
+    ids, mask = _left_padded_batch()
+    # row 0: pads share position 0, real tokens count 0, 1, 2, 3
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_left_padding_matches_the_unpadded_sequence(device):
+    lm = _lm(device=device)
+    ids, mask = _left_padded_batch(device)
+    padded = lm(ids, mask).logits[0, 2:]
+    alone = lm(ids[:1, 2:]).logits[0]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_garbage_at_padding_changes_no_valid_logit(device):
+    lm = _lm(device=device)
+    ids, mask = _left_padded_batch(device)
+    garbage = ids.clone()
+    garbage[0, :2] = torch.tensor([13, 14])  # different tokens under mask False
+    a, b = lm(ids, mask).logits, lm(garbage, mask).logits
+    torch.testing.assert_close(a[mask], b[mask])
+    assert torch.isfinite(b).all()  # pad queries attend to themselves: never an empty softmax
+
+
+def test_kv_cache_logits_equal_full_forward(device):
+    lm = _lm(device=device)
+    ids, mask = _left_padded_batch(device)
+    full = lm(ids, mask).logits
+    pos = position_ids_from_mask(mask)
+    cache = lm.new_cache(2, 8, device=device)
+    with torch.no_grad():
+        pre = lm(ids[:, :3], mask[:, :3], position_ids=pos[:, :3], cache=cache, cache_slots=0).logits
+        steps = [
+            lm(ids[:, t : t + 1], mask[:, t : t + 1], position_ids=pos[:, t : t + 1], cache=cache, cache_slots=t).logits
+            for t in range(3, 6)
+        ]
+    torch.testing.assert_close(torch.cat([pre, *steps], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_with_per_row_slots_equals_full_forward():
+    # row 0 is two tokens ahead of row 1: tensor slots write each row at its own column
+    lm = _lm()
+    ids = torch.randint(2, 16, (2, 6))
+    full = lm(ids).logits
+    cache = lm.new_cache(2, 6)
+    with torch.no_grad():
+        lm(ids[:1, :4], cache=None)  # unrelated call, no effect
+        lm(ids[:, :2], cache=cache, cache_slots=0)
+        # row 0 advances over columns 2, 3; row 1 over column 2 twice (rewritten, same value)
+        lm(ids[:, 2:3], cache=cache, cache_slots=torch.tensor([[2], [2]]))
+        out = lm(
+            torch.stack([ids[0, 3:4], ids[1, 2:3]]),
+            cache=cache,
+            cache_slots=torch.tensor([[3], [2]]),
+            position_ids=torch.tensor([[3], [2]]),
+        ).logits
+    torch.testing.assert_close(out[0, 0], full[0, 3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, 0], full[1, 2], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_errors_name_the_problem():
+    lm = _lm(block=8)
+    with pytest.raises(ValueError, match="max_len=9 exceeds block_size=8"):
+        lm.new_cache(1, 9)
+    cache = lm.new_cache(2, 8)
+    with pytest.raises(ValueError, match="cache holds 2 rows but input_ids has B=1"):
+        lm(torch.zeros(1, 1, dtype=torch.long), cache=cache, cache_slots=0)
+    with pytest.raises(ValueError, match="cache_slots is required"):
+        lm(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="T=9 > block_size=8"):
+        lm(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_sample_with_kv_cache_log_probs_equal_a_full_forward():
+    lm = _lm(block=12)
+    prompts = torch.tensor([[0, 3, 4, 14], [5, 6, 7, 14]])
+    pmask = prompts != 0
+    resp, logp, mask = sample_with_kv_cache(
+        lm, prompts, pmask, 4, eos_id=1, generator=torch.Generator().manual_seed(0)
+    )
+    seq = torch.cat([prompts, resp], 1)
+    logits = lm(seq, torch.cat([pmask, mask], 1)).logits
+    ref = torch.log_softmax(logits[:, 3:7], -1).gather(-1, resp[..., None]).squeeze(-1)
+    torch.testing.assert_close(logp[mask], ref[mask], atol=1e-5, rtol=1e-5)
+    assert (logp[~mask] == 0).all() and (resp[~mask] == 0).all()
+
+
+# ----------------------------------------------------------------------------- the env policy
+
+
+def _rollout_logits(head, env, steps, seed=0):
+    """Drive env with greedy-free sampling from head's logits; return (tds, logits) per step."""
+    g = torch.Generator().manual_seed(seed)
+    td = env.reset()
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = head(td["tokens"], td["attention_mask"], td["position"])
+        out.append((td.clone(), logits))
+        td["action"] = torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(-1)
+        _, td = env.step_and_maybe_reset(td)  # done rows get a fresh prompt (partial reset)
+    return out
+
+
+def test_cached_next_token_logits_equal_full_forward_through_partial_resets():
+    task = DigitTask("reverse", 3, min_digits=1)  # varying prompt lengths: left padding
+    env = TokenLMEnv.from_task(task, num_envs=5, seed=1)
+    lm = _lm(block=env.seq_len)
+    cached, full = NextTokenLogits(lm), NextTokenLogits(lm, use_kv_cache=False)
+    resets = 0
+    for td, logits in _rollout_logits(cached, env, steps=14):
+        resets += int((td["position"] == env.prompt_len).sum())
+        with torch.no_grad():
+            ref = full(td["tokens"], td["attention_mask"], td["position"])
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    assert resets > 5  # the rollout really went through partial resets
+
+
+def test_cache_is_rebuilt_after_an_optimizer_step():
+    env = TokenLMEnv.from_task(DigitTask("copy", 3), num_envs=3, seed=0)
+    lm = _lm(block=env.seq_len)
+    head = NextTokenLogits(lm)
+    td = env.reset()
+    with torch.no_grad():
+        head(td["tokens"], td["attention_mask"], td["position"])
+    td["action"] = torch.tensor([3, 4, 5])
+    td = env.step(td)["next"]
+    opt = torch.optim.SGD(lm.parameters(), lr=1.0)
+    lm(td["tokens"], td["attention_mask"]).logits.sum().backward()
+    opt.step()  # new weights: the cached keys/values are stale
+    with torch.no_grad():
+        cached = head(td["tokens"], td["attention_mask"], td["position"])
+        ref = NextTokenLogits(lm, use_kv_cache=False)(td["tokens"], td["attention_mask"], td["position"])
+    torch.testing.assert_close(cached, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_notices_a_different_buffer_with_the_same_positions():
+    env = TokenLMEnv.from_task(DigitTask("copy", 3), num_envs=2, seed=0)
+    lm = _lm(block=env.seq_len)
+    head = NextTokenLogits(lm)
+    td = env.reset()
+    with torch.no_grad():
+        head(td["tokens"], td["attention_mask"], td["position"])
+        td["action"] = torch.tensor([3, 4])
+        nxt = env.step(td)["next"]
+        other = nxt.clone()
+        other["tokens"][:, 0] = 9  # same position, different prefix
+        cached = head(other["tokens"], other["attention_mask"], other["position"])
+        ref = NextTokenLogits(lm, use_kv_cache=False)(other["tokens"], other["attention_mask"], other["position"])
+    torch.testing.assert_close(cached, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_actor_sample_log_prob_equals_a_direct_forward():
+    env = TokenLMEnv.from_task(DigitTask("reverse", 3), num_envs=4, seed=0)
+    lm = _lm(block=env.seq_len)
+    actor = make_actor(lm)
+    with torch.no_grad():
+        roll = env.rollout(3, actor, break_when_any_done=False)
+    for t in range(3):
+        step = roll[:, t]
+        logits = lm(step["tokens"], step["attention_mask"]).logits  # [N, S, V]
+        last = step["position"] - 1
+        at = logits[torch.arange(4), last]
+        ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+        torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
+    assert roll["sample_log_prob"].dtype == torch.float32
+
+
+def test_actor_is_greedy_under_deterministic_exploration():
+    env = TokenLMEnv.from_task(DigitTask("reverse", 3), num_envs=4, seed=0)
+    lm = _lm(block=env.seq_len)
+    actor = make_actor(lm)
+    td = env.reset()
+    with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+        td = actor(td)
+    assert torch.equal(td["action"], td["logits"].argmax(-1))
+
+
+def test_actor_runs_with_gradients_without_the_cache():
+    env = TokenLMEnv.from_task(DigitTask("copy", 2), num_envs=2, seed=0)
+    lm = _lm(block=env.seq_len)
+    td = make_actor(lm)(env.reset())
+    td["sample_log_prob"].sum().backward()
+    assert lm.wte.weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- LLM-layout actor / critic
+
+
+def test_response_log_probs_equal_the_policy_log_probs_of_the_rollout():
+    task = DigitTask("reverse", 2, min_digits=1)
+    env = TokenLMEnv.from_task(task, num_envs=4, seed=0)
+    ac = make_actor_critic(_lm(block=env.seq_len), prompt_len=env.prompt_len)
+    with torch.no_grad():
+        roll = env.rollout(12, ac.policy, break_when_any_done=False)  # several episodes per row
+    llm = trajectories_to_llm_batch(roll, env.prompt_len, env.max_new_tokens)
+    assert llm.batch_size[0] > 4
+    logp = ac.actor(llm)["log_prob"]  # [B, R], one full forward per response
+    m = llm["mask"]
+    torch.testing.assert_close(logp[m], llm["sample_log_prob"][m], atol=1e-5, rtol=1e-5)
+
+
+def test_actor_critic_output_shapes_and_entropy_bounds():
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=8), prompt_len=3)
+    td = TensorDict(input_ids=torch.randint(16, (4, 8)), attention_mask=torch.ones(4, 8, dtype=torch.bool), batch_size=[4])
+    ac.actor(td)
+    ac.critic(td)
+    assert td["log_prob"].shape == td["entropy"].shape == td["state_value"].shape == (4, 5)
+    assert (td["entropy"] >= 0).all() and (td["entropy"] <= torch.log(torch.tensor(16.0)) + 1e-5).all()
+    assert (td["state_value"] == 0).all()  # the value head starts at zero
+
+
+def test_shared_trunk_shares_weights_and_separate_trunk_copies_them():
+    cfg = TinyLMConfig.preset("pico", vocab_size=16, block_size=8)
+    shared = make_actor_critic(cfg, prompt_len=3, shared_trunk=True)
+    separate = make_actor_critic(cfg, prompt_len=3)
+    assert shared.shared_trunk and shared.critic_model is shared.actor_model
+    assert len(shared.critic_parameters()) == 2  # just the value head
+    assert not separate.shared_trunk
+    a, c = separate.actor_model.wte.weight, separate.critic_model.wte.weight
+    assert torch.equal(a, c) and a.data_ptr() != c.data_ptr()
+    assert not {id(p) for p in separate.actor_parameters()} & {id(p) for p in separate.critic_parameters()}
+
+
+def test_response_modules_reject_sequences_without_a_response():
+    lm = _lm(block=8)
+    with pytest.raises(ValueError, match="prompt_len=0 must be an int >= 1"):
+        ResponseLogProbs(lm, 0)
+    with pytest.raises(ValueError, match="prompt_len=True must be an int >= 1"):
+        ResponseValues(lm, True)
+    with pytest.raises(ValueError, match="there is no response to score"):
+        ResponseLogProbs(lm, 4)(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- Hugging Face adapter
+
+
+def _tiny_llama(vocab=16):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return HFCausalLMAdapter.from_config(cfg).eval()
+
+
+def test_hf_adapter_drives_the_env_and_matches_its_own_forward():
+    lm = _tiny_llama()
+    env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=3, seed=0)
+    ac = make_actor_critic(lm, prompt_len=env.prompt_len)
+    assert not ac.policy.module[0].module.use_kv_cache  # no per-row cache: full forward per token
+    with torch.no_grad():
+        roll = env.rollout(2, ac.policy, break_when_any_done=False)
+    step = roll[:, 1]
+    logits = lm.hf_model(
+        input_ids=step["tokens"], attention_mask=step["attention_mask"].long(),
+        position_ids=position_ids_from_mask(step["attention_mask"]),
+    ).logits.float()
+    at = logits[torch.arange(3), step["position"] - 1]
+    ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+    torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
+    td = TensorDict(input_ids=roll[:, -1]["next", "tokens"], attention_mask=roll[:, -1]["next", "attention_mask"],
+                    batch_size=[3])
+    assert ac.critic(ac.actor(td))["state_value"].shape == (3, env.max_new_tokens)
+
+
+def test_hf_adapter_left_padding_matches_the_unpadded_sequence():
+    lm = _tiny_llama()
+    ids, mask = _left_padded_batch()
+    ids = ids.clamp(max=15)
+    padded = lm(ids, mask).logits[0, 2:]
+    alone = lm(ids[:1, 2:]).logits[0]
+    torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)
