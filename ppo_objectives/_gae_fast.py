@@ -149,14 +149,23 @@ def _powers(g, exponents: Tensor) -> Tensor:
     return torch.pow(torch.full_like(exponents, float(g)), exponents)
 
 
+@_constant_result
+def _cuda_matmul_reduced() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+@_constant_result
+def _cpu_matmul_reduced() -> bool:
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def _matmul_needs_float64(x: Tensor) -> bool:
     # reduced-precision float32 matmuls (TF32 on CUDA, bf16 passes on CPU) would cost ~1e-3
     # relative error; the blocked sum then runs in float64, which the tiny matrices make cheap.
+    # (Under torch.compile the setting is read once, when the function is traced.)
     if x.dtype != torch.float32:
         return False
-    if x.is_cuda:
-        return bool(torch.backends.cuda.matmul.allow_tf32)
-    return torch.get_float32_matmul_precision() != "highest"
+    return _cuda_matmul_reduced() if x.is_cuda else _cpu_matmul_reduced()
 
 
 def discounted_reverse_cumsum(x: Tensor, g, block: int = _BLOCK) -> Tensor:

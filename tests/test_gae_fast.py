@@ -1,0 +1,415 @@
+"""Fast masked GAE (torch blocked matrix product, Triton scan) against a naive float64 reference.
+
+The reference below is written independently of ``functional.masked_gae_reference``: it walks
+each row's list of valid indices backwards with Python floats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_objectives import _gae_fast
+from ppo_objectives._gae_fast import (
+    discounted_reverse_cumsum,
+    gae_advantages_torch,
+    gae_advantages_triton,
+    select_backend,
+)
+from ppo_objectives.functional import masked_gae
+
+# --------------------------------------------------------------------------- #
+# Naive references
+# --------------------------------------------------------------------------- #
+
+
+def naive_gae(rewards, values, mask, gamma, lam, bootstrap=None):
+    """Raw masked GAE in float64 with Python floats: per row, recurse over its valid indices."""
+    n, r = rewards.shape
+    out = torch.zeros(n, r, dtype=torch.float64)
+    for row in range(n):
+        next_v = 0.0 if bootstrap is None else float(bootstrap[row])
+        next_a = 0.0
+        for k in reversed([k for k in range(r) if bool(mask[row, k])]):
+            delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
+            next_a = delta + gamma * lam * next_a
+            next_v = float(values[row, k])
+            out[row, k] = next_a
+    return out
+
+
+def naive_discounted_rcumsum(x, g):
+    out = torch.zeros_like(x, dtype=torch.float64)
+    acc = torch.zeros(x.shape[0], dtype=torch.float64)
+    for k in range(x.shape[1] - 1, -1, -1):
+        acc = x[:, k].double() + g * acc
+        out[:, k] = acc
+    return out
+
+
+def emulate_triton_kernel(rewards, values, mask, gamma, lam, bootstrap, block):
+    """The Triton kernel's chunk / carry / shifted-load algebra, step by step in float64.
+
+    Mirrors ``_triton_gae._masked_gae_rows_kernel`` (which cannot run without a GPU): chunks
+    walked right to left, inputs read at ``j = k + 1`` in reversed order, a scan over
+    ``(b, a)`` pairs with the same combine rule, the carry taken from the last scan element.
+    """
+    n, r = rewards.shape
+    out = torch.zeros(n, r, dtype=torch.float64)
+    g = gamma * lam
+    for row in range(n):
+        carry = gamma * (0.0 if bootstrap is None else float(bootstrap[row]))
+        n_chunks = -(-r // block)
+        for c in range(n_chunks):
+            start = (n_chunks - 1 - c) * block
+            ks = [start + block - 1 - i for i in range(block)]
+            pairs = []
+            for k in ks:
+                j = k + 1
+                if j < r and bool(mask[row, j]):
+                    rj, vj = float(rewards[row, j]), float(values[row, j])
+                    pairs.append((gamma * vj + g * (rj - vj), g))
+                else:
+                    pairs.append((0.0, 1.0))
+            scanned, acc = [], None
+            for b, a in pairs:  # inclusive scan with combine(left, right)
+                acc = (b, a) if acc is None else (acc[0] * a + b, acc[1] * a)
+                scanned.append(acc)
+            c_next = [b + a * carry for b, a in scanned]
+            for i, k in enumerate(ks):
+                if k < r and bool(mask[row, k]):
+                    out[row, k] = float(rewards[row, k]) - float(values[row, k]) + c_next[i]
+            carry = c_next[block - 1]
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Inputs
+# --------------------------------------------------------------------------- #
+
+MASK_KINDS = ("all_valid", "right_pad", "left_pad", "holes", "empty_rows")
+
+
+def make_mask(kind, n, r, gen):
+    if kind == "all_valid":
+        return torch.ones(n, r, dtype=torch.bool)
+    lengths = torch.randint(0, r + 1, (n,), generator=gen)
+    pos = torch.arange(r)
+    if kind == "right_pad":
+        return pos[None, :] < lengths[:, None]
+    if kind == "left_pad":
+        return pos[None, :] >= (r - lengths)[:, None]
+    if kind == "holes":
+        m = torch.rand(n, r, generator=gen) < 0.6
+        m[:, 0] = False  # a hole at the start, in the middle (random) and at the end
+        if r > 1:
+            m[:, -1] = False
+        return m
+    m = torch.rand(n, r, generator=gen) < 0.7
+    m[::2] = False  # every other row empty
+    return m
+
+
+def make_inputs(n, r, dtype, kind, gen, device):
+    mask = make_mask(kind, n, r, gen)
+    rewards = torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
+    values = torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
+    boot = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+    # garbage at masked positions must never leak
+    rewards = rewards.masked_fill(~mask, float("nan"))
+    values = values.masked_fill(~mask, float("inf"))
+    return rewards.to(device), values.to(device), mask.to(device), boot.to(device)
+
+
+def assert_close_to_reference(out, ref, dtype):
+    """1e-5 relative in float32 (1e-11 in float64), with an absolute floor at the row scale."""
+    rtol = 1e-5 if dtype == torch.float32 else 1e-11
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=rtol * scale)
+
+
+GAMMA_LAM = [(0.0, 0.0), (0.0, 0.95), (0.5, 0.5), (0.95, 1.0), (1.0, 0.95), (1.0, 1.0), (0.99, 0.95)]
+SHAPES = [(1, 1), (3, 17), (4, 1024)]
+
+
+# --------------------------------------------------------------------------- #
+# torch backend equals the reference
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gamma,lam", GAMMA_LAM)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lam, dtype, use_bootstrap, device):
+    gen = torch.Generator().manual_seed(hash((shape, gamma, lam)) % 2**31)
+    for kind in MASK_KINDS:
+        r, v, m, boot = make_inputs(*shape, dtype, kind, gen, device)
+        boot = boot if use_bootstrap else None
+        out = gae_advantages_torch(r, v, m, gamma, lam, boot)
+        ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lam, None if boot is None else boot.cpu())
+        assert out.dtype == dtype and out.shape == m.shape
+        assert torch.isfinite(out).all(), kind
+        assert (out[~m] == 0).all(), f"{kind}: masked positions must be exactly 0"
+        assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_masked_gae_flattens_leading_dims_like_the_reference(backend, device):
+    # shape (2, 3, 17): the batch dims are flattened to 6 rows of 17 and restored
+    gen = torch.Generator().manual_seed(3)
+    r, v, m, boot = make_inputs(6, 17, torch.float32, "holes", gen, device)
+    r3, v3, m3, b3 = r.view(2, 3, 17), v.view(2, 3, 17), m.view(2, 3, 17), boot.view(2, 3)
+    adv, ret = masked_gae(r3, v3, m3, 0.95, 0.9, normalize=False, bootstrap_value=b3, backend=backend)
+    ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), 0.95, 0.9, boot.cpu()).view(2, 3, 17)
+    assert adv.shape == (2, 3, 17)
+    assert_close_to_reference(adv, ref, torch.float32)
+    ref_ret = torch.where(m3.cpu(), ref + v3.cpu().double(), 0.0)
+    assert_close_to_reference(ret, ref_ret, torch.float32)
+
+
+def test_torch_gae_golden_case_with_hole_and_bootstrap():
+    # row [r=1, hole, r=2] with V = [0.5, garbage, 1.0], gamma = 0.5, lam = 1, bootstrap 4
+    # last valid:  delta_2 = 2 + 0.5 * 4 - 1.0 = 3           A_2 = 3
+    # first valid: delta_0 = 1 + 0.5 * 1.0 - 0.5 = 1         A_0 = 1 + 0.5 * 3 = 2.5
+    r = torch.tensor([[1.0, 7.0, 2.0]])
+    v = torch.tensor([[0.5, float("nan"), 1.0]])
+    m = torch.tensor([[True, False, True]])
+    out = gae_advantages_torch(r, v, m, 0.5, 1.0, torch.tensor([4.0]))
+    assert out.tolist() == [[2.5, 0.0, 3.0]]
+
+
+def test_torch_gae_accepts_zero_dim_tensor_gamma_and_lam():
+    gen = torch.Generator().manual_seed(1)
+    r, v, m, boot = make_inputs(3, 70, torch.float32, "holes", gen, "cpu")
+    out = gae_advantages_torch(r, v, m, torch.tensor(0.97), torch.tensor(0.9), boot)
+    assert_close_to_reference(out, naive_gae(r, v, m, 0.97, 0.9, boot), torch.float32)
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.999, 1.0), (1.0, 1.0), (0.9, 0.9)])
+def test_torch_gae_long_rows_stay_accurate_in_float32(gamma, lam):
+    # 5000 tokens: three levels of blocks (64 * 64 < 5000); decays like 0.81^4999 underflow to 0
+    gen = torch.Generator().manual_seed(2)
+    r, v, m, boot = make_inputs(2, 5000, torch.float32, "holes", gen, "cpu")
+    out = gae_advantages_torch(r, v, m, gamma, lam, boot)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference(out, naive_gae(r, v, m, gamma, lam, boot), torch.float32)
+
+
+def test_torch_gae_stays_accurate_under_reduced_float32_matmul_precision():
+    # with TF32 / bf16 matmul passes allowed, the blocked sums switch to float64
+    gen = torch.Generator().manual_seed(4)
+    r, v, m, boot = make_inputs(3, 300, torch.float32, "right_pad", gen, "cpu")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        out = gae_advantages_torch(r, v, m, 1.0, 1.0, boot)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert_close_to_reference(out, naive_gae(r, v, m, 1.0, 1.0, boot), torch.float32)
+
+
+def test_torch_gae_backpropagates_to_values():
+    gen = torch.Generator().manual_seed(5)
+    r, v, m, _ = make_inputs(2, 9, torch.float64, "holes", gen, "cpu")
+    v = torch.where(m, v, 0.0).requires_grad_()
+    r = torch.where(m, r, 0.0)
+    assert torch.autograd.gradcheck(lambda vv: gae_advantages_torch(r, vv, m, 0.9, 0.8, None), (v,))
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 128, 4095, 4097])
+@pytest.mark.parametrize("g", [0.0, 0.3, 0.97, 1.0])
+def test_discounted_reverse_cumsum_matches_loop_across_block_boundaries(length, g):
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, generator=gen, dtype=torch.float64)
+    out = discounted_reverse_cumsum(x, g)
+    ref = naive_discounted_rcumsum(x, g)
+    torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11 * max(1.0, float(ref.abs().max())))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    r=st.integers(1, 150),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+    p_valid=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+    bootstrap=st.booleans(),
+)
+def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, lam, p_valid, seed, bootstrap):
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.rand(n, r, generator=gen) < p_valid
+    r_ = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    v_ = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    boot = torch.randn(n, generator=gen, dtype=torch.float64) if bootstrap else None
+    clean = gae_advantages_torch(r_, v_, m, gamma, lam, boot)
+    noisy = gae_advantages_torch(
+        r_.masked_fill(~m, float("nan")), v_.masked_fill(~m, -float("inf")), m, gamma, lam, boot
+    )
+    assert torch.equal(clean, noisy)
+    assert_close_to_reference(clean, naive_gae(r_, v_, m, gamma, lam, boot), torch.float64)
+
+
+# importing inductor on torch 2.13 trips torch's own torch.jit.script_method deprecation warning
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow  # ~25 s of inductor compilation on 2 cores
+def test_torch_gae_compiles_with_fullgraph_and_matches_eager():
+    gen = torch.Generator().manual_seed(6)
+    r, v, m, boot = make_inputs(3, 17, torch.float32, "holes", gen, "cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(gae_advantages_torch, fullgraph=True, dynamic=False)
+    out = compiled(r, v, m, 0.95, 0.9, boot)
+    assert_close_to_reference(out, naive_gae(r, v, m, 0.95, 0.9, boot), torch.float32)
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- #
+# Triton algorithm (emulated) and backend selection, on any machine
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("block", [1, 4, 32])
+@pytest.mark.parametrize("r", [1, 3, 17, 33])
+def test_triton_kernel_algebra_matches_reference_when_emulated(r, block):
+    gen = torch.Generator().manual_seed(r * 7 + block)
+    for kind in MASK_KINDS:
+        rw, v, m, boot = make_inputs(3, r, torch.float64, kind, gen, "cpu")
+        for b in (None, boot):
+            out = emulate_triton_kernel(rw, v, m, 0.9, 0.8, b, block)
+            torch.testing.assert_close(out, naive_gae(rw, v, m, 0.9, 0.8, b), rtol=1e-12, atol=1e-12)
+
+
+def test_select_backend_auto_is_torch_on_cpu():
+    assert select_backend(torch.device("cpu"), "auto") == "torch"
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_select_backend_returns_explicit_choices(backend):
+    assert select_backend(torch.device("cpu"), backend) == backend
+    assert select_backend(torch.device("cuda"), backend) == backend
+
+
+def test_select_backend_auto_picks_triton_on_cuda_when_available(monkeypatch):
+    monkeypatch.setattr(_gae_fast, "triton_available", lambda: True)
+    assert select_backend(torch.device("cuda"), "auto") == "triton"
+    assert select_backend(torch.device("cuda", 0), "triton") == "triton"
+    assert select_backend(torch.device("cpu"), "auto") == "torch"
+
+
+def test_select_backend_auto_falls_back_to_torch_without_triton(monkeypatch):
+    monkeypatch.setattr(_gae_fast, "triton_available", lambda: False)
+    assert select_backend(torch.device("cuda"), "auto") == "torch"
+
+
+def test_select_backend_auto_leaves_compiled_code_to_inductor(monkeypatch):
+    monkeypatch.setattr(_gae_fast, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert select_backend(torch.device("cuda"), "auto") == "torch"
+
+
+def test_select_backend_rejects_unknown_name():
+    with pytest.raises(ValueError, match=r"backend='cuda' is not one of .*'triton'"):
+        select_backend(torch.device("cpu"), "cuda")
+
+
+def test_select_backend_triton_on_cpu_raises_clear_error():
+    with pytest.raises(RuntimeError, match=r"backend='triton' needs CUDA tensors, but the rows are on cpu"):
+        select_backend(torch.device("cpu"), "triton")
+
+
+def test_select_backend_triton_without_triton_raises_clear_error(monkeypatch):
+    monkeypatch.setattr(_gae_fast, "triton_available", lambda: False)
+    monkeypatch.setattr(_gae_fast, "_TRITON_IMPORT_ERROR", "No module named 'triton'")
+    with pytest.raises(RuntimeError, match=r"Triton cannot be used \(No module named 'triton'\).*backend='torch'"):
+        select_backend(torch.device("cuda"), "triton")
+
+
+def test_masked_gae_with_triton_backend_on_cpu_raises():
+    m = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        masked_gae(torch.zeros(1, 3), torch.zeros(1, 3), m, 1.0, 1.0, backend="triton")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        gae_advantages_triton(torch.zeros(1, 3), torch.zeros(1, 3), m, 1.0, 1.0, None)
+
+
+def test_triton_probe_never_raises_and_reports_why():
+    available = _gae_fast._find_triton()
+    assert isinstance(available, bool)
+    if not available:
+        assert "triton" in _gae_fast._TRITON_IMPORT_ERROR.lower() or _gae_fast._TRITON_IMPORT_ERROR
+    assert _gae_fast.triton_available() == (torch.cuda.is_available() and available)
+
+
+def test_triton_entry_falls_back_to_torch_when_gradients_are_needed(monkeypatch):
+    # the kernel has no backward; with requires_grad inputs the torch path (with autograd) runs
+    monkeypatch.setattr(_gae_fast, "select_backend", lambda device, backend: backend)
+    gen = torch.Generator().manual_seed(7)
+    r, v, m, _ = make_inputs(2, 9, torch.float32, "holes", gen, "cpu")
+    v = torch.where(m, v, 0.0).requires_grad_()
+    out = gae_advantages_triton(r, v, m, 0.9, 0.8, None)
+    assert out.grad_fn is not None
+    assert_close_to_reference(out.detach(), naive_gae(r, v.detach(), m, 0.9, 0.8), torch.float32)
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: Triton kernel equal to the reference, no host synchronisation
+# --------------------------------------------------------------------------- #
+
+needs_triton = pytest.mark.skipif(not _gae_fast.triton_available(), reason="needs CUDA and Triton")
+
+
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.parametrize("tensor_gamma", [False, True], ids=["float", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (4, 1024), (2, 3000)], ids=lambda s: "x".join(map(str, s)))
+def test_triton_gae_matches_naive_reference_on_cuda(shape, dtype, tensor_gamma):
+    gen = torch.Generator().manual_seed(11)
+    for gamma, lam in [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 0.5)]:
+        for kind in MASK_KINDS:
+            r, v, m, boot = make_inputs(*shape, dtype, kind, gen, "cuda")
+            g = torch.tensor(gamma, device="cuda", dtype=dtype) if tensor_gamma else gamma
+            lm = torch.tensor(lam, device="cuda", dtype=dtype) if tensor_gamma else lam
+            for b in (None, boot):
+                out = gae_advantages_triton(r, v, m, g, lm, b)
+                ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lam, None if b is None else b.cpu())
+                assert (out[~m] == 0).all()
+                assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.mark.cuda
+@needs_triton
+def test_masked_gae_auto_uses_triton_on_cuda_and_matches_torch():
+    gen = torch.Generator().manual_seed(12)
+    r, v, m, boot = make_inputs(8, 513, torch.float32, "holes", gen, "cuda")
+    assert select_backend(r.device, "auto") == "triton"
+    a_auto, ret_auto = masked_gae(r, v, m, 0.99, 0.95, bootstrap_value=boot)
+    a_torch, ret_torch = masked_gae(r, v, m, 0.99, 0.95, bootstrap_value=boot, backend="torch")
+    torch.testing.assert_close(a_auto, a_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret_auto, ret_torch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fast_gae_kernels_do_not_synchronise_with_the_host(backend):
+    if backend == "triton" and not _gae_fast.triton_available():
+        pytest.skip("needs Triton")
+    kernel = gae_advantages_torch if backend == "torch" else gae_advantages_triton
+    gen = torch.Generator().manual_seed(13)
+    r, v, m, boot = make_inputs(4, 300, torch.float32, "holes", gen, "cuda")
+    g = torch.tensor(0.99, device="cuda")
+    kernel(r, v, m, g, 0.95, boot)  # warm-up (Triton compiles, allocator caches)
+    kernel(r, v, m, 0.99, 0.95, boot)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel(r, v, m, g, 0.95, boot)
+        kernel(r, v, m, 0.99, 0.95, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(float(kernel(r, v, m, 0.99, 0.95, boot).sum()))
