@@ -52,7 +52,7 @@ key                            shape        meaning
                                             generated token, False elsewhere
 ``"ref_log_prob"``             [B, T]       (when present upstream) the reference model's
                                             log-probs, from ``("next", "ref_log_probs", "full")``
-``"kl_penalty"``               [B, T]       (when present upstream) TorchRL's ``kl_penalty``
+``("torchrl", "kl_penalty")``  [B, T]       (when present upstream) TorchRL's ``kl_penalty``
 ============================== ============ ==================================================
 
 Log-prob, value and token alignment: ``sample_log_prob[b, t]`` is
@@ -154,11 +154,22 @@ class LLMToTokenBatch(Transform):
     - ``ref_log_prob_key`` (default ``("next", "ref_log_probs", "full")``, from
       TorchRL's ``RetrieveKL`` / ``KLRewardTransform``) -> ``ref_log_prob``, so
       our ``KLPenaltyTransform`` can run on the converted batch.
-    - ``kl_key`` (default ``("next", "kl_penalty")``) -> ``kl_penalty``.
+    - ``kl_key`` (default ``("next", "kl_penalty")``) -> ``("torchrl", "kl_penalty")``:
+      the KL TorchRL computed (and, with its ``add_to_reward=True``, already
+      took from the reward). It is kept out of our ``"kl_penalty"`` entry on
+      purpose: :class:`~ppo_objectives.transforms.KLPenaltyTransform` skips a
+      batch that has ``"kl_penalty"``, so after ``RetrieveKL(add_to_reward=False)``
+      our transform still applies the penalty from ``ref_log_prob``. After
+      ``RetrieveKL(add_to_reward=True)`` call ``set_out_keys(kl_penalty="kl_penalty")``
+      (or do not run ours) so the penalty is not taken twice.
 
     Only the turn's own generated positions are read from per-token entries:
     TorchRL's KL transforms score every assistant message of the history at
     every turn, so summing them over turns would count earlier turns again.
+    They score the chat-template rendering of ``("history", "full")``, which
+    may end with one or two more tokens than ``("tokens", "full")`` (the
+    template closes the assistant message); the first ``L`` entries are the
+    turn's tokens and the rest is dropped. Every entry is detached.
 
     .. note:: TorchRL 0.14's ``TransformersWrapper(generate=True)`` stores 0 as
        the log-prob of the **first** generated token of every turn
@@ -224,7 +235,7 @@ class LLMToTokenBatch(Transform):
         terminated: NestedKey = ("next", "terminated")
         truncated: NestedKey = ("next", "truncated")
         ref_log_prob: NestedKey = "ref_log_prob"
-        kl_penalty: NestedKey = "kl_penalty"
+        kl_penalty: NestedKey = ("torchrl", "kl_penalty")
 
     def __init__(
         self,
@@ -371,18 +382,19 @@ class LLMToTokenBatch(Transform):
             lp = _get_1d(td, self.log_prob_key, "log-probs", where)
             if lp is not None:
                 if self.log_prob_key[-1] == "full":
-                    if lp.numel() != L:
+                    if lp.numel() < L:
                         raise ValueError(
                             f"{where}: {_key_str(self.log_prob_key)} has {lp.numel()} entries but "
                             f"{_key_str(self.tokens_key)} has {L} tokens; a '*full' log-prob key needs one per token"
                         )
-                    lp = lp[p:]
+                    lp = lp[p:L]
                 elif lp.numel() != L - p:
                     raise ValueError(
                         f"{where}: {_key_str(self.log_prob_key)} has {lp.numel()} entries but the turn generated "
                         f"{L - p} tokens ({_key_str(self.tokens_key)} length {L} minus prompt length {p}); "
                         f"pass the full log-probs with a key ending in 'full' instead"
                     )
+                lp = lp.detach()
         reward = None
         if self.reward_key is not None:
             r = td.get(self.reward_key, None)
@@ -392,22 +404,25 @@ class LLMToTokenBatch(Transform):
                     f"environment, or pass reward_key=None for zero rewards"
                 )
             if r.numel() == 1:
-                reward = r.reshape(())
+                reward = r.reshape(()).detach()
             else:
                 reward = _get_1d(td, self.reward_key, "reward", where)
-                if reward.numel() != L:
+                if reward.numel() < L:
                     raise ValueError(
                         f"{where}: the reward {_key_str(self.reward_key)} has shape {tuple(r.shape)}: expected one "
                         f"turn-level value ([1]) or one per token of {_key_str(self.tokens_key)} ([{L}, 1])"
                     )
+                reward = reward[:L].detach()
         per_token = {}
         for name, key in (("ref_log_prob", self.ref_log_prob_key), ("kl", self.kl_key)):
             x = _get_1d(td, key, name, where)
-            if x is not None and x.numel() != L:
-                raise ValueError(
-                    f"{where}: {_key_str(key)} has {x.numel()} entries but {_key_str(self.tokens_key)} has {L} "
-                    f"tokens; TorchRL's KL transforms write one value per token of the full sequence"
-                )
+            if x is not None:
+                if x.numel() < L:
+                    raise ValueError(
+                        f"{where}: {_key_str(key)} has {x.numel()} entries but {_key_str(self.tokens_key)} has {L} "
+                        f"tokens; TorchRL's KL transforms write one value per token of the full sequence"
+                    )
+                x = x[:L].detach()
             per_token[name] = x
         done = _flag(td, self.done_key)
         terminated = _flag(td, self.terminated_key)
