@@ -15,6 +15,7 @@ error, never silently expanded.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -259,6 +260,7 @@ class MaskedGAE(ValueEstimatorBase):
             F._check_unit_interval(name, x)
             self.register_buffer(name, torch.as_tensor(x, dtype=torch.float32, device=self._device).clone())
         self.average_gae = bool(average_gae)
+        self._params = self._next_params = None
 
     @property
     def in_keys(self):
@@ -280,15 +282,19 @@ class MaskedGAE(ValueEstimatorBase):
         return [self.tensor_keys.advantage, self.tensor_keys.value_target]
 
     def _values(self, tensordict: TensorDictBase, key: NestedKey, *, next_step: bool) -> Tensor | None:
-        """The value entry, computed by ``value_network`` (without gradient) when missing."""
+        """The value entry, computed by ``value_network`` when missing (bootstrap values without gradient)."""
         value = tensordict.get(key, None)
         if value is not None or self.value_network is None:
             return value
-        if next_step:  # bootstrap values never carry a gradient (as in TorchRL)
-            with torch.no_grad():
-                out = self.value_network(tensordict.get("next").copy())
-        else:
-            out = self.value_network(tensordict.copy())
+        params = self._next_params if next_step else self._params
+        ctx = (
+            params.to_module(self.value_network, preserve_module_state=False)
+            if params is not None
+            else contextlib.nullcontext()
+        )
+        with ctx, torch.no_grad() if next_step else contextlib.nullcontext():
+            source = tensordict.get("next") if next_step else tensordict
+            out = self.value_network(source.copy())
         value = out.get(self.tensor_keys.value)
         tensordict.set(key, value)
         return value
@@ -306,19 +312,22 @@ class MaskedGAE(ValueEstimatorBase):
         Accepts keyword tensors too (``next_reward=``, ``state_value=``, ``mask=``, ...),
         returning ``(advantage, value_target)``.
         """
-        if params is not None or target_params is not None:
-            raise ValueError(
-                "MaskedGAE does not take functional params/target_params: pass precomputed "
-                f"{self.tensor_keys.value!r} entries or a stateful value_network"
-            )
-        with torch.set_grad_enabled(self.differentiable):
-            adv, target = self._estimate(tensordict)
+        # Functional parameters (as TorchRL's PPO losses pass them) are used only if the
+        # value network has to run; precomputed values are read as they are.
+        self._params = None if params is None else params.detach()
+        self._next_params = self._params if target_params is None else target_params
+        try:
+            with torch.set_grad_enabled(self.differentiable):
+                adv, target = self._estimate(tensordict)
+        finally:
+            self._params = self._next_params = None
         tensordict.set(self.tensor_keys.advantage, adv)
         tensordict.set(self.tensor_keys.value_target, target)
         return tensordict
 
     def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
         """The value target (raw advantage + value) of :meth:`forward`, without writing anything."""
+        self._params = self._next_params = None
         with torch.set_grad_enabled(self.differentiable):
             return self._estimate(tensordict.copy())[1]
 

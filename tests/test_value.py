@@ -1,0 +1,436 @@
+"""MaskedGAE: the TorchRL value-estimator layer over functional.masked_gae.
+
+References used here are independent of the module: a per-element Python loop
+(`naive_collector_gae`), the functional core, and torchrl.objectives.value.GAE.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.objectives.value import GAE
+
+from ppo_objectives import functional as F
+from ppo_objectives.value import MaskedGAE, _segmented_masked_gae
+
+
+def naive_collector_gae(r, v, nv, mask, done, term, gamma, lmbda):
+    """Plain Python floats, one row at a time: the collector-layout semantics spelled out.
+
+    Scanning valid steps right to left; a trajectory ends at a valid step with done, or
+    at the row's last valid step (batch boundary). Next value there: 0 if terminated
+    else nv[t]; inside a trajectory: v of the next valid step.
+    """
+    N, T = len(r), len(r[0])
+    adv = [[0.0] * T for _ in range(N)]
+    for i in range(N):
+        nxt = None  # (value, advantage) of the next valid step of the same trajectory
+        for t in reversed(range(T)):
+            if not mask[i][t]:
+                continue
+            if done[i][t] or nxt is None:
+                next_v = 0.0 if term[i][t] else nv[i][t]
+                carry = 0.0
+            else:
+                next_v, carry = nxt
+            a = r[i][t] + gamma * next_v - v[i][t] + gamma * lmbda * carry
+            adv[i][t] = a
+            nxt = (v[i][t], a)
+    ret = [[adv[i][t] + v[i][t] if mask[i][t] else 0.0 for t in range(T)] for i in range(N)]
+    return torch.tensor(adv), torch.tensor(ret)
+
+
+def collector_batch(N=3, T=10, seed=0, p_done=0.25, device="cpu", trailing=True):
+    """Consistent collector data: ("next", "state_value")[t] == state_value[t+1] inside trajectories."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(N, T, generator=g)
+    done = torch.rand(N, T, generator=g) < p_done
+    term = done & (torch.rand(N, T, generator=g) < 0.5)
+    trunc = done & ~term
+    nv = torch.cat([v[:, 1:], torch.randn(N, 1, generator=g)], 1)
+    nv = torch.where(done, torch.randn(N, T, generator=g), nv)  # value of the real final obs
+    r = torch.randn(N, T, generator=g)
+    u = (lambda x: x.unsqueeze(-1)) if trailing else (lambda x: x)
+    td = TensorDict(
+        {
+            "state_value": u(v),
+            ("next", "state_value"): u(nv),
+            ("next", "reward"): u(r),
+            ("next", "done"): u(done),
+            ("next", "terminated"): u(term),
+            ("next", "truncated"): u(trunc),
+        },
+        [N, T],
+        device=device,
+    )
+    return td
+
+
+def llm_batch(B=4, R=7, seed=0, device="cpu", trailing=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, R + 1, (B,), generator=g)
+    mask = torch.arange(R) < lengths[:, None]
+    r = torch.zeros(B, R)
+    r[torch.arange(B), lengths - 1] = torch.randn(B, generator=g)
+    r = r + 0.1 * torch.randn(B, R, generator=g)  # dense shaping on top
+    v = torch.randn(B, R, generator=g)
+    u = (lambda x: x.unsqueeze(-1)) if trailing else (lambda x: x)
+    return TensorDict({"state_value": u(v), ("next", "reward"): u(r), "mask": u(mask)}, [B, R], device=device)
+
+
+# --------------------------------------------------------------------------- golden cases
+
+
+def test_llm_layout_golden_case_skips_padding_and_ends_terminal():
+    # row: V = [1, 0.5, pad], r = [0, 2, pad], gamma = 0.5, lambda = 1
+    # t=1: delta = 2 + 0.5 * 0 - 0.5 = 1.5              (next value after the last valid token is 0)
+    # t=0: delta = 0 + 0.5 * 0.5 - 1 = -0.75; A = -0.75 + 0.5 * 1 * 1.5 = 0
+    td = TensorDict(
+        {
+            "state_value": torch.tensor([[1.0, 0.5, float("nan")]]),
+            ("next", "reward"): torch.tensor([[0.0, 2.0, float("nan")]]),
+            "mask": torch.tensor([[1.0, 1.0, 0.0]]),
+        },
+        [1, 3],
+    )
+    out = MaskedGAE(gamma=0.5, lmbda=1.0)(td)
+    torch.testing.assert_close(out["advantage"], torch.tensor([[0.0, 1.5, 0.0]]))
+    torch.testing.assert_close(out["value_target"], torch.tensor([[1.0, 2.0, 0.0]]))
+
+
+def test_collector_layout_golden_case_restarts_at_done_and_bootstraps_truncation():
+    # gamma = lambda = 1, V = 0 everywhere, r = 1 per step, row = [a a | b b | c]
+    #   a: terminated at t=1 -> A = [2, 1]
+    #   b: truncated at t=3, next value 10 -> A = [12, 11]
+    #   c: cut by the batch boundary, next value 5 -> A = [6]
+    td = TensorDict(
+        {
+            "state_value": torch.zeros(1, 5),
+            ("next", "state_value"): torch.tensor([[0.0, 0.0, 0.0, 10.0, 5.0]]),
+            ("next", "reward"): torch.ones(1, 5),
+            ("next", "done"): torch.tensor([[False, True, False, True, False]]),
+            ("next", "terminated"): torch.tensor([[False, True, False, False, False]]),
+        },
+        [1, 5],
+    )
+    out = MaskedGAE(1.0, 1.0)(td)
+    torch.testing.assert_close(out["advantage"], torch.tensor([[2.0, 1.0, 12.0, 11.0, 6.0]]))
+
+
+# --------------------------------------------------------------------------- equal to references
+
+
+@pytest.mark.parametrize("average_gae", [False, True])
+@pytest.mark.parametrize("trailing", [False, True])
+def test_llm_layout_equals_functional_masked_gae(device, average_gae, trailing):
+    td = llm_batch(device=device, trailing=trailing)
+    out = MaskedGAE(0.97, 0.9, average_gae=average_gae)(td.clone())
+    sq = (lambda x: x.squeeze(-1)) if trailing else (lambda x: x)
+    adv, ret = F.masked_gae(
+        sq(td["next", "reward"]), sq(td["state_value"]), sq(td["mask"]), 0.97, 0.9, normalize=average_gae
+    )
+    assert out["advantage"].shape == td["state_value"].shape  # written in the layout it read
+    torch.testing.assert_close(sq(out["advantage"]), adv)
+    torch.testing.assert_close(sq(out["value_target"]), ret)
+
+
+@pytest.mark.parametrize("gamma,lmbda", [(0.99, 0.95), (1.0, 1.0), (0.5, 0.0)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_collector_layout_equals_torchrl_gae_on_unmasked_data(device, gamma, lmbda, seed):
+    td = collector_batch(seed=seed, device=device)
+    ours = MaskedGAE(gamma, lmbda)(td.clone())
+    ref = GAE(gamma=gamma, lmbda=lmbda, value_network=None)(td.clone())
+    torch.testing.assert_close(ours["advantage"], ref["advantage"])
+    torch.testing.assert_close(ours["value_target"], ref["value_target"])
+
+
+def test_collector_layout_whitening_equals_torchrl_up_to_variance_convention():
+    td = collector_batch(N=4, T=16, seed=3)
+    ours = MaskedGAE(0.9, 0.9, average_gae=True)(td.clone())["advantage"]
+    ref = GAE(gamma=0.9, lmbda=0.9, value_network=None, average_gae=False)(td.clone())["advantage"]
+    # ours: biased variance (MiniMind); TorchRL: unbiased std -> compare to a masked biased whitening
+    expected = (ref - ref.mean()) / ref.var(unbiased=False).add(1e-8).sqrt()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_collector_layout_with_mask_equals_naive_loop(seed):
+    td = collector_batch(N=3, T=9, seed=seed, trailing=False)
+    g = torch.Generator().manual_seed(100 + seed)
+    mask = torch.rand(3, 9, generator=g) < 0.7
+    td["mask"] = mask
+    out = MaskedGAE(0.9, 0.8)(td.clone())
+    adv, ret = naive_collector_gae(
+        td["next", "reward"].tolist(),
+        td["state_value"].tolist(),
+        td["next", "state_value"].tolist(),
+        mask.tolist(),
+        td["next", "done"].tolist(),
+        td["next", "terminated"].tolist(),
+        0.9,
+        0.8,
+    )
+    torch.testing.assert_close(out["advantage"], adv)
+    torch.testing.assert_close(out["value_target"], ret)
+
+
+def test_segmented_helper_equals_functional_on_one_trajectory_per_row():
+    # One trajectory per row, truncated (bootstrapped) or terminated at its last valid token.
+    td = llm_batch(B=5, R=6, seed=4)
+    r, v, m = td["next", "reward"], td["state_value"], td["mask"]
+    boot = torch.tensor([0.0, 1.5, 0.0, -2.0, 0.3])
+    terminated = (boot == 0).unsqueeze(-1).expand_as(m)
+    no_done = torch.zeros_like(m)
+    adv, ret = _segmented_masked_gae(r, v, m, 0.9, 0.7, no_done, terminated, boot.unsqueeze(-1).expand_as(v))
+    adv_f, ret_f = F.masked_gae(r, v, m, 0.9, 0.7, normalize=False, bootstrap_value=boot)
+    torch.testing.assert_close(adv, adv_f)
+    torch.testing.assert_close(ret, ret_f)
+
+
+def test_flags_default_like_torchrl_when_only_done_or_terminated_is_given():
+    td = collector_batch(seed=5, trailing=False)
+    # only ("next", "done"): terminated = done, as in TorchRL
+    only_done = td.clone().exclude(("next", "terminated"), ("next", "truncated"))
+    ref = GAE(gamma=0.9, lmbda=0.9, value_network=None)(only_done.clone())["advantage"]
+    torch.testing.assert_close(MaskedGAE(0.9, 0.9)(only_done)["advantage"], ref)
+    # only ("next", "terminated"): done = terminated, former truncations are continuations
+    only_term = td.clone().exclude(("next", "done"), ("next", "truncated"))
+    term = td["next", "terminated"].tolist()
+    adv, _ = naive_collector_gae(
+        td["next", "reward"].tolist(), td["state_value"].tolist(), td["next", "state_value"].tolist(),
+        [[True] * 10] * 3, term, term, 0.9, 0.9,
+    )  # fmt: skip
+    torch.testing.assert_close(MaskedGAE(0.9, 0.9)(only_term)["advantage"], adv)
+
+
+# --------------------------------------------------------------------------- masked positions
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), collector=st.booleans())
+def test_garbage_at_masked_positions_changes_nothing(seed, collector):
+    td = collector_batch(N=2, T=7, seed=seed, trailing=False) if collector else llm_batch(B=3, R=5, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(td.batch_size, generator=g) < 0.6
+    td["mask"] = mask
+    clean = MaskedGAE(0.95, 0.9, average_gae=True)(td.clone())
+    dirty = td.clone()
+    for key in [("next", "reward"), "state_value"] + ([("next", "state_value")] if collector else []):
+        dirty[key] = torch.where(mask, dirty[key], torch.tensor(float("nan")))
+    if collector:
+        dirty["next", "done"] = torch.where(mask, dirty["next", "done"], True)  # flags there are ignored too
+    dirty = MaskedGAE(0.95, 0.9, average_gae=True)(dirty)
+    for key in ("advantage", "value_target"):
+        torch.testing.assert_close(dirty[key], clean[key])
+        assert (dirty[key][~mask] == 0).all()
+
+
+def test_empty_mask_gives_zeros_not_nan():
+    td = llm_batch()
+    td["mask"] = torch.zeros_like(td["mask"])
+    out = MaskedGAE(1.0, 0.95, average_gae=True)(td)
+    assert (out["advantage"] == 0).all() and (out["value_target"] == 0).all()
+
+
+# --------------------------------------------------------------------------- keys, dispatch, networks
+
+
+ALL_KEYS = ["advantage", "value_target", "value", "reward", "done", "terminated", "truncated", "mask"]
+
+
+@pytest.mark.parametrize("field", ALL_KEYS + ["steps_to_next_obs", "sample_log_prob"])
+def test_set_keys_round_trips_every_field(field):
+    gae = MaskedGAE(0.9, 0.9)
+    gae.set_keys(**{field: ("custom", field)})
+    assert getattr(gae.tensor_keys, field) == ("custom", field)
+    gae.set_keys(**{field: "plain"})
+    assert getattr(gae.tensor_keys, field) == "plain"
+
+
+def test_renamed_keys_are_read_and_written():
+    td = collector_batch(seed=1, trailing=False)
+    renamed = TensorDict(
+        {
+            "v": td["state_value"],
+            ("next", "v"): td["next", "state_value"],
+            ("next", "r"): td["next", "reward"],
+            ("next", "d"): td["next", "done"],
+            ("next", "term"): td["next", "terminated"],
+            ("next", "trunc"): td["next", "truncated"],
+            "valid": torch.ones(td.batch_size, dtype=torch.bool),
+        },
+        td.batch_size,
+    )
+    gae = MaskedGAE(0.9, 0.8)
+    gae.set_keys(
+        value="v", reward="r", done="d", terminated="term", truncated="trunc", mask="valid",
+        advantage=("out", "adv"), value_target=("out", "ret"),
+    )  # fmt: skip
+    out = gae(renamed)
+    ref = MaskedGAE(0.9, 0.8)(td)
+    torch.testing.assert_close(out["out", "adv"], ref["advantage"])
+    torch.testing.assert_close(out["out", "ret"], ref["value_target"])
+
+
+def test_set_keys_rejects_unknown_field():
+    with pytest.raises(KeyError, match="not an accepted tensordict key"):
+        MaskedGAE(0.9, 0.9).set_keys(values="x")
+
+
+def test_kwargs_dispatch_returns_advantage_and_value_target():
+    td = llm_batch()
+    adv, ret = MaskedGAE(1.0, 0.95)(next_reward=td["next", "reward"], state_value=td["state_value"], mask=td["mask"])
+    ref = MaskedGAE(1.0, 0.95)(td.clone())
+    torch.testing.assert_close(adv, ref["advantage"])
+    torch.testing.assert_close(ret, ref["value_target"])
+
+
+class TokenCritic(nn.Module):
+    """A tiny pure-torch critic: embedding + linear over tokens -> [B, R] values."""
+
+    def __init__(self, vocab=11, dim=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens)).squeeze(-1)
+
+
+def test_value_network_fills_missing_values_and_is_not_trained():
+    torch.manual_seed(0)
+    critic = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["state_value"])
+    td = llm_batch(B=3, R=5).exclude("state_value")
+    td["tokens"] = torch.randint(11, (3, 5))
+    out = MaskedGAE(1.0, 0.95, value_network=critic)(td.clone())
+    with torch.no_grad():
+        v = critic(td.clone())["state_value"]
+    torch.testing.assert_close(out["state_value"], v)
+    ref = F.masked_gae(td["next", "reward"], v, td["mask"], 1.0, 0.95, normalize=False)
+    torch.testing.assert_close(out["advantage"], ref[0])
+    assert not out["advantage"].requires_grad  # differentiable=False
+
+
+def test_value_network_computes_bootstrap_values_in_collector_layout():
+    torch.manual_seed(0)
+    critic = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["state_value"])
+    tokens = torch.randint(11, (2, 7))
+    td = collector_batch(N=2, T=6, trailing=False).exclude("state_value", ("next", "state_value"))
+    td["tokens"], td["next", "tokens"] = tokens[:, :-1], tokens[:, 1:]
+    ours = MaskedGAE(0.9, 0.9, value_network=critic)(td.clone())
+    ref = GAE(gamma=0.9, lmbda=0.9, value_network=critic)(td.clone())
+    torch.testing.assert_close(ours["advantage"], ref["advantage"])
+
+
+def test_set_keys_value_must_be_written_by_the_value_network():
+    critic = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["state_value"])
+    with pytest.raises(KeyError, match="not found in value network out_keys"):
+        MaskedGAE(0.9, 0.9, value_network=critic).set_keys(value="other")
+
+
+def test_value_estimate_returns_targets_without_writing():
+    td = llm_batch()
+    before = set(td.keys(True))
+    target = MaskedGAE(1.0, 0.9).value_estimate(td)
+    assert set(td.keys(True)) == before
+    torch.testing.assert_close(target, MaskedGAE(1.0, 0.9)(td.clone())["value_target"])
+
+
+def test_only_output_keys_are_added():
+    td = llm_batch()
+    before = {k: v.clone() for k, v in td.items(True, True)}
+    out = MaskedGAE(1.0, 0.9)(td)
+    assert set(out.keys(True, True)) == set(before) | {"advantage", "value_target"}
+    for k, v in before.items():
+        assert torch.equal(out[k], v)
+
+
+def test_hyperparameters_are_buffers_in_state_dict():
+    gae = MaskedGAE(0.9, 0.8)
+    sd = gae.state_dict()
+    assert set(sd) == {"gamma", "lmbda"}
+    other = MaskedGAE(0.1, 0.1)
+    other.load_state_dict(sd)
+    assert float(other.gamma) == pytest.approx(0.9) and float(other.lmbda) == pytest.approx(0.8)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_error_per_sequence_value_against_per_token_reward():
+    td = TensorDict({"state_value": torch.zeros(2, 4), ("next", "reward"): torch.zeros(2, 4)}, [2, 4])
+    bad = TensorDict({"state_value": torch.zeros(2, 4), ("next", "reward"): torch.zeros(2, 4, 3)}, [2, 4])
+    MaskedGAE(1.0, 1.0)(td)
+    with pytest.raises(ValueError, match=r"reward .* has shape \(2, 4, 3\) .* expected \(2, 4\) or .* \(2, 4, 1\)"):
+        MaskedGAE(1.0, 1.0)(bad)
+
+
+def test_error_mask_of_wrong_shape():
+    td = llm_batch(B=2, R=3)
+    td = TensorDict({**td.to_dict(), "mask": torch.ones(2, 3, 2, dtype=torch.bool)}, [2, 3])
+    with pytest.raises(ValueError, match=r"mask 'mask' has shape \(2, 3, 2\)"):
+        MaskedGAE(1.0, 1.0)(td)
+
+
+def test_error_mask_with_values_other_than_0_and_1():
+    td = llm_batch(B=2, R=3)
+    td["mask"] = torch.full((2, 3), 0.5)
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        MaskedGAE(1.0, 1.0)(td)
+
+
+def test_error_missing_reward():
+    with pytest.raises(KeyError, match=r"reward \('next', 'reward'\) is missing"):
+        MaskedGAE(1.0, 1.0)(TensorDict({"state_value": torch.zeros(1, 2)}, [1, 2]))
+
+
+def test_error_missing_values_without_value_network():
+    with pytest.raises(KeyError, match="value 'state_value' is missing and no value_network"):
+        MaskedGAE(1.0, 1.0)(TensorDict({("next", "reward"): torch.zeros(1, 2)}, [1, 2]))
+
+
+def test_error_collector_layout_without_next_values():
+    td = collector_batch().exclude(("next", "state_value"))
+    with pytest.raises(KeyError, match=r"done flags are present .* \('next', 'state_value'\) is missing"):
+        MaskedGAE(1.0, 1.0)(td)
+
+
+def test_error_multi_step_returns():
+    td = llm_batch()
+    td["steps_to_next_obs"] = torch.ones(td.batch_size)
+    with pytest.raises(NotImplementedError, match="multi-step returns are not supported"):
+        MaskedGAE(1.0, 1.0)(td)
+
+
+def test_error_tensordict_without_time_dimension():
+    td = TensorDict({"state_value": torch.zeros(3), ("next", "reward"): torch.zeros(3)}, [])
+    with pytest.raises(ValueError, match="needs a TensorDict with a time dimension"):
+        MaskedGAE(1.0, 1.0)(td)
+
+
+@pytest.mark.parametrize("name,kwargs", [("gamma", dict(gamma=1.5, lmbda=0.9)), ("lmbda", dict(gamma=0.9, lmbda=-0.1))])
+def test_error_discount_outside_unit_interval(name, kwargs):
+    with pytest.raises(ValueError, match=rf"{name}=.* is outside \[0, 1\]"):
+        MaskedGAE(**kwargs)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+# importing inductor on torch 2.13 trips torch's own torch.jit.script_method deprecation warning
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow  # inductor compilation on 2 cores
+def test_segmented_recursion_compiles_fullgraph():
+    td = collector_batch(N=2, T=6, trailing=False)
+    args = (
+        td["next", "reward"], td["state_value"], torch.rand(2, 6) < 0.8, torch.tensor(0.9), torch.tensor(0.8),
+        td["next", "done"], td["next", "terminated"], td["next", "state_value"],
+    )  # fmt: skip
+    torch._dynamo.reset()
+    compiled = torch.compile(_segmented_masked_gae, fullgraph=True, dynamic=False)
+    for a, b in zip(compiled(*args), _segmented_masked_gae(*args)):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
