@@ -257,14 +257,21 @@ def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, la
 
 # importing inductor on torch 2.13 trips torch's own torch.jit.script_method deprecation warning
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-@pytest.mark.slow  # ~25 s of inductor compilation on 2 cores
-def test_torch_gae_compiles_with_fullgraph_and_matches_eager():
+@pytest.mark.slow  # 10-25 s of inductor compilation on 2 cores
+def test_masked_gae_compiles_with_fullgraph_and_matches_reference():
+    # the whole public function: validation, dispatch ("auto" -> torch), kernel, whitening
     gen = torch.Generator().manual_seed(6)
     r, v, m, boot = make_inputs(3, 17, torch.float32, "holes", gen, "cpu")
     torch._dynamo.reset()
-    compiled = torch.compile(gae_advantages_torch, fullgraph=True, dynamic=False)
-    out = compiled(r, v, m, 0.95, 0.9, boot)
-    assert_close_to_reference(out, naive_gae(r, v, m, 0.95, 0.9, boot), torch.float32)
+    compiled = torch.compile(
+        lambda r, v, m, b: masked_gae(r, v, m, 0.95, 0.9, normalize=False, bootstrap_value=b),
+        fullgraph=True,
+        dynamic=False,
+    )
+    adv, ret = compiled(r, v, m, boot)
+    ref = naive_gae(r, v, m, 0.95, 0.9, boot)
+    assert_close_to_reference(adv, ref, torch.float32)
+    assert_close_to_reference(ret, torch.where(m, ref + v.double(), 0.0), torch.float32)
     torch._dynamo.reset()
 
 
