@@ -46,6 +46,10 @@ CHARS = list(string.ascii_lowercase + " .,?!\n0123456789")
 # --------------------------------------------------------------------------- #
 @pytest.fixture(scope="module")
 def tok():
+    return make_tokenizer()
+
+
+def make_tokenizer():
     """One token per character; the ChatML markers and <pad> are special tokens.
 
     '<' and '|' are not in the character vocabulary, so decoding then re-encoding a
@@ -65,7 +69,7 @@ def tok():
     return tokenizer
 
 
-def make_lm(tok, seed=0):
+def make_lm(tok, seed=0, eos_bias=0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -81,7 +85,18 @@ def make_lm(tok, seed=0):
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
-    return LlamaForCausalLM(cfg).eval()
+    lm = LlamaForCausalLM(cfg).eval()
+    if eos_bias:
+        # part of the model (sampling and scoring both see it): many replies end with <|im_end|>
+        bias = torch.zeros(len(tok))
+        bias[tok.eos_token_id] = eos_bias
+
+        def add_bias(module, args, kwargs, output):
+            output["logits"] = output["logits"] + bias
+            return output
+
+        lm.register_forward_hook(add_bias, with_kwargs=True)
+    return lm
 
 
 class Queries:
@@ -150,9 +165,8 @@ def make_env(tok, turns):
 def collect(lm, tok, *, turns, postproc=None, seed=0):
     """One LLMCollector batch of 2 envs x `turns` dialog turns ([2, turns] lazy stack)."""
     torch.manual_seed(seed)
-    collector = LLMCollector(
-        make_env(tok, turns), policy=make_policy(lm, tok), dialog_turns_per_batch=2 * turns, postproc=postproc
-    )
+    policy = make_policy(lm, tok)
+    collector = LLMCollector(make_env(tok, turns), policy=policy, dialog_turns_per_batch=2 * turns, postproc=postproc)
     try:
         return next(iter(collector))
     finally:
@@ -544,8 +558,8 @@ def test_wrapper_sample_log_probs_equal_recomputed_ones_except_each_turns_first_
     torch.testing.assert_close(out["sample_log_prob"][rest], out["recomputed"][rest], rtol=1e-4, atol=1e-4)
 
 
-def test_multi_turn_collector_batch_masks_only_assistant_tokens(lm, tok):
-    data = collect(lm, tok, turns=2)
+def test_multi_turn_collector_batch_masks_only_assistant_tokens(lm_eos, tok):
+    data = collect(lm_eos, tok, turns=2)
     out = LLMToTokenBatch(pad_token_id=tok.pad_token_id)(data)
     assert out.batch_size[0] == 2  # one row per dialog of 2 turns
     for b in range(2):
@@ -559,8 +573,15 @@ def test_multi_turn_collector_batch_masks_only_assistant_tokens(lm, tok):
         assert torch.isclose(out["next", "reward"][b].sum(), sum(data[b, s]["next", "reward"].sum() for s in range(2)))
 
 
+@pytest.fixture(scope="module")
+def lm_eos(tok):
+    """A tiny LM biased towards <|im_end|>, so that some replies end their turn before max_new_tokens."""
+    return make_lm(tok, seed=0, eos_bias=1.5)
+
+
 @pytest.mark.parametrize("assistant_only", [False, True])
-def test_retrieve_kl_outputs_match_our_reference_log_probs(lm, tok, assistant_only):
+def test_retrieve_kl_outputs_match_our_reference_log_probs(lm_eos, tok, assistant_only):
+    lm = lm_eos
     ref_lm = make_lm(tok, seed=1)
     gen = TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=False, return_log_probs=True)
     ref = TransformersWrapper(
@@ -574,9 +595,13 @@ def test_retrieve_kl_outputs_match_our_reference_log_probs(lm, tok, assistant_on
     with torch.no_grad():
         CausalLMTokenLogProbs(ref_lm, out_key="ours")(out)
     m = out["mask"]
+    end_of_turn = m & (out["tokens"] == tok.eos_token_id)
+    assert end_of_turn.any()  # some replies ended with <|im_end|>, which is a generated token
     # TorchRL leaves the end-of-turn token unscored with assistant_only=True (its chat-template
     # mask stops before <|im_end|>); everywhere else both reference log-probs agree
-    scored = m & ((out["tokens"] != tok.eos_token_id) if assistant_only else True)
+    if assistant_only:
+        assert (out["ref_log_prob"][end_of_turn] == 0).all() and (out["ours"][end_of_turn] < 0).all()
+    scored = m & ~end_of_turn if assistant_only else m
     torch.testing.assert_close(out["ref_log_prob"][scored], out["ours"][scored], rtol=1e-4, atol=1e-4)
     # TorchRL's KL is gen - ref with the same (recomputed, so exact) gen log-probs
     with torch.no_grad():
@@ -627,7 +652,8 @@ def test_end_to_end_one_optimizer_step_on_a_chat_env_batch(lm, tok):
     assert kl(raw)["kl_penalty"][raw["mask"]].abs().max() > 0
 
 
-def test_multi_turn_garbage_at_tool_tokens_changes_nothing(lm, tok):
+def test_multi_turn_garbage_at_tool_tokens_changes_nothing(lm_eos, tok):
+    lm = lm_eos
     critic = CausalLMCritic(make_lm(tok, seed=2))
     batch = LLMToTokenBatch(pad_token_id=tok.pad_token_id)(collect(lm, tok, turns=2))
     with torch.no_grad():
