@@ -410,12 +410,13 @@ class TokenPPOLoss(LossModule):
 
     # ------------------------------------------------------------------ forward
 
-    def _run(self, name: str, tensordict: TensorDictBase) -> TensorDictBase:
+    def _run(self, name: str, tensordict: TensorDictBase, *outputs: NestedKey) -> TensorDictBase:
+        """Run a network on a shallow copy without its output entries (a stale entry is never read back)."""
         net = getattr(self, name)
         params = getattr(self, f"{name}_params", None) if self.functional else None
         ctx = params.to_module(net, preserve_module_state=False) if params is not None else contextlib.nullcontext()
         with ctx:
-            return net(tensordict.copy())
+            return net(tensordict.exclude(*outputs))
 
     @dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -455,7 +456,7 @@ class TokenPPOLoss(LossModule):
             returns = get(k.value_target, "value target")
             old_values = get(k.value, "rollout values (needed because clip_value is set)", self.clip_value is not None)
 
-        actor_out = self._run("actor_network", td)
+        actor_out = self._run("actor_network", td, k.log_prob, k.entropy)
         new_logp = actor_out.get(k.log_prob, None)
         if new_logp is None:
             raise KeyError(
@@ -508,7 +509,7 @@ class TokenPPOLoss(LossModule):
             out.set("loss_entropy", zero)
 
         if self._has_critic:
-            critic_out = self._run("critic_network", td)
+            critic_out = self._run("critic_network", td, k.value)
             values = critic_out.get(k.value, None)
             if values is None:
                 raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
