@@ -32,7 +32,8 @@ data-dependent shape, so ``torch.compile(fullgraph=True)`` compiles it:
    level up with decay ``g^C`` (recursively). Only non-negative powers of ``g`` appear, so
    nothing overflows for ``g < 1``; ``g = 0`` (``0^0 = 1``) and ``g = 1`` are exact cases and
    powers that underflow to 0 stand for contributions below the dtype's resolution;
-4. ``gather`` the packed advantages back to the original positions, 0 where masked.
+4. ``gather`` the packed advantages back to the original positions (masked ones read a
+   zero column).
 
 ``"triton"`` (:func:`gae_advantages_triton`, kernel in ``_triton_gae``): CUDA only, one
 program per row runs a chunked reverse linear scan (``tl.associative_scan``) in one pass
@@ -242,8 +243,8 @@ def gae_advantages_torch(
     else:
         delta = torch.add(own, next_v, alpha=gamma)
     adv_packed = discounted_reverse_cumsum(delta, gamma * lam)
-    adv = adv_packed.gather(1, rank.clamp(min=0))
-    return torch.where(mask, adv, 0.0)
+    # two zero columns again, so masked tokens read 0 from the dump column L + 1
+    return F.pad(adv_packed, (0, 2)).gather(1, idx)
 
 
 # ----------------------------------------------------------------------------------------------
