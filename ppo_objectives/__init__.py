@@ -19,8 +19,17 @@ from ppo_objectives.functional import (
     response_logp_positions,
     value_checks,
 )
+from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
+from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
+from ppo_objectives.value import MaskedGAE
 
 __all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLPenaltyTransform",
+    "MINIMIND_PPO_DEFAULTS",
+    "MaskedGAE",
+    "TokenPPOLoss",
     "aggregate_loss",
     "approx_kl",
     "clipped_value_loss",
