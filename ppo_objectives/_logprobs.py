@@ -75,8 +75,7 @@ class _GatheredLogProbs(torch.autograd.Function):
             if want_entropy:
                 logq = x.sub_(lse_c[:, None])  # in place: the chunk's log-softmax
                 q = logq.exp()
-                # H = -sum q log q as a batched dot product (no [c, V] product temporary)
-                entropy[s:e] = -torch.bmm(q.unsqueeze(1), logq.unsqueeze(2)).reshape(-1)
+                entropy[s:e] = -torch.linalg.vecdot(q, logq)  # H = -sum_v q_v log q_v
             del x
         ctx.chunk = chunk
         ctx.shape = (b, t, v)

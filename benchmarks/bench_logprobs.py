@@ -1,0 +1,185 @@
+"""Response log-probs (+ entropy): chunked ``response_log_probs`` vs naive ``log_softmax().gather()``.
+
+Both sides run forward + backward on the same logits in the same run, for ``B=8, T=1024`` and
+``V`` in {6400, 32000} (CPU, float32 logits) or {6400, 32000, 151936} (CUDA, bfloat16 logits).
+Every position but the last is scored (prompt length 1, ``R = T - 1``), the worst case for the
+chunked path since the naive one always covers all ``T`` rows.
+
+Memory is the peak of the extra bytes allocated while a step runs, beyond the logits (allocated
+before) and beyond their gradient (an output of the backward, as large as the logits in both
+versions), reported as a fraction of the logits' size:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+- CPU: the torch profiler's memory events (``profile_memory=True``): the running sum of every
+  allocation and free, in time order.
+
+Run from the repository root::
+
+    python benchmarks/bench_logprobs.py                # CPU, about a minute and a half
+    python benchmarks/bench_logprobs.py --device cuda  # adds V = 151936, bf16 logits
+    python benchmarks/bench_logprobs.py --quick        # V = 6400 only, fewer repeats
+
+The naive version (what most PPO code does)::
+
+    logq = torch.log_softmax(logits.float(), -1)                        # [B, T, V] float32
+    logp = logq[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # then the response slice
+    entropy = -(logq.exp() * logq).sum(-1)[:, :-1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+from ppo_objectives.functional import response_log_probs
+
+GOAL_MEMORY = 0.25  # peak extra / logits bytes
+GOAL_TIME = 1.5  # chunked time / naive time
+
+
+def naive(logits, ids, entropy):
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logp = logq[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    if not entropy:
+        return logp, None
+    return logp, -(logq.exp() * logq).sum(-1)[:, :-1]
+
+
+def chunked(logits, ids, entropy):
+    prompt = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
+    out = response_log_probs(logits, ids, prompt, logits.shape[1] - 1, return_entropy=entropy)
+    return out if entropy else (out, None)
+
+
+def step(impl, logits, ids, entropy):
+    logits.grad = None
+    logp, ent = impl(logits, ids, entropy)
+    loss = logp.sum() if ent is None else logp.sum() + 0.01 * ent.sum()
+    loss.backward()
+    return logp.detach(), None if ent is None else ent.detach()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_extra_bytes(fn, device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it started."""
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    running = peak = 0
+    for _, size in sorted(sizes):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+def median_time(fns: dict, device, repeats: int) -> dict:
+    """Median seconds of one call of each function, calls interleaved round-robin."""
+    samples = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--quick", action="store_true", help="smallest vocabulary only, fewer repeats")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU runs")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    vocabs = [6400, 32000, 151936] if cuda else [6400, 32000]
+    if args.quick:
+        vocabs = vocabs[:1]
+    repeats = (3 if args.quick else 10) if cuda else (2 if args.quick else 3)
+    b, t = 8, 1024
+
+    print(f"# bench_logprobs  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  device {device}")
+    where = torch.cuda.get_device_name(device) if cuda else f"{platform.machine()}, torch threads {torch.get_num_threads()}"
+    print(f"# {where}; B={b} T={t} R={t - 1}, {str(dtype).replace('torch.', '')} logits, forward + backward")
+    print(f"# memory: peak extra beyond logits and their gradient, / logits bytes; time: median of {repeats}")
+    print()
+    header = (f"{'V':>7} {'entropy':>7}  {'logits':>8}  {'naive mem':>9} {'chunked mem':>11}  "
+              f"{'naive time':>10} {'chunked time':>12} {'time ratio':>10}")
+    print(header)
+    print("-" * len(header))
+    verdicts = []
+    for v in vocabs:
+        gen = torch.Generator(device="cpu").manual_seed(v)
+        logits = torch.randn(b, t, v, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        ids = torch.randint(0, v, (b, t), generator=gen).to(device)
+        size = logits.numel() * logits.element_size()
+        for entropy in (False, True):
+            ref = step(naive, logits, ids, entropy)
+            got = step(chunked, logits, ids, entropy)
+            for a, c in zip(ref, got):
+                if a is not None:
+                    err = float((a - c).abs().max())
+                    assert err < 1e-3, f"chunked and naive differ by {err}"
+            mem = {}
+            for name, impl in (("naive", naive), ("chunked", chunked)):
+                logits.grad = None
+                mem[name] = (peak_extra_bytes(lambda impl=impl: step(impl, logits, ids, entropy), device) - size) / size
+            logits.grad = None
+            times = median_time(
+                {
+                    "naive": lambda: step(naive, logits, ids, entropy),
+                    "chunked": lambda: step(chunked, logits, ids, entropy),
+                },
+                device,
+                repeats,
+            )
+            ratio = times["chunked"] / times["naive"]
+            print(f"{v:>7} {str(entropy):>7}  {size / 2**20:>6.0f}MB  {mem['naive']:>8.2f}x {mem['chunked']:>10.3f}x  "
+                  f"{times['naive'] * 1e3:>8.1f}ms {times['chunked'] * 1e3:>10.1f}ms {ratio:>9.2f}x")
+            verdicts.append(
+                f"V={v} entropy={entropy}: memory {mem['chunked']:.3f}x (goal <= {GOAL_MEMORY}x: "
+                f"{'met' if mem['chunked'] <= GOAL_MEMORY else 'NOT met'}), time {ratio:.2f}x naive "
+                f"(goal <= {GOAL_TIME}x: {'met' if ratio <= GOAL_TIME else 'NOT met'})"
+            )
+        del logits, ids
+        if cuda:
+            torch.cuda.empty_cache()
+    print()
+    print("Goals:")
+    for line in verdicts:
+        print(f"  {line}")
+
+
+if __name__ == "__main__":
+    main()
