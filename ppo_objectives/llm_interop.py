@@ -74,7 +74,7 @@ from torchrl.envs.transforms import Transform
 
 from ppo_objectives import functional as F
 
-__all__ = ["CausalLMCritic", "CausalLMTokenLogProbs", "LLMToTokenBatch"]
+__all__ = ["CausalLMCritic", "CausalLMTokenLogProbs", "LLMToTokenBatch", "bootstrap_from_next_turn"]
 
 
 def _key_str(key: NestedKey) -> str:
@@ -143,6 +143,24 @@ class LLMToTokenBatch(Transform):
     context (holes); one still running at the end of the batch has all its
     flags False, so ``MaskedGAE`` bootstraps it from ``("next", "state_value")``.
 
+    Two layouts:
+
+    - ``layout="dialog"`` (default): one row per dialog, as above. It needs
+      *incremental* tokens: each turn's ``("tokens", "full")`` must be a prefix of
+      the next turn's prompt. TorchRL's history mode re-renders the history from
+      text at every turn and its ``History`` parsing strips the whitespace
+      around a reply, so a reply that starts or ends with a space or newline
+      breaks this (the error says so); so can a BPE tokenizer that merges across
+      the end of a reply.
+    - ``layout="turn"``: one row per turn — the prompt the model saw and the
+      tokens it sampled, exactly — whatever the tokenizer does. The dialog's
+      flags go on its last turn; earlier turns have none, and
+      ``"next_turn_row"`` ``[B, T]`` (constant along ``T``) holds the row of the
+      dialog's next turn in this batch (-1 if none). After the critic ran, call
+      :func:`bootstrap_from_next_turn` to bootstrap each turn from the value of
+      the next turn's prompt (the state after the tool/user reply); GAE is then
+      truncated at turn ends, as at any bootstrapped segment end.
+
     The per-turn entries go to the turn's generated positions:
 
     - ``log_prob_key`` (default ``("log_probs", "response")``, ``[L - len(prompt)]``;
@@ -185,6 +203,7 @@ class LLMToTokenBatch(Transform):
         pad_token_id: the id written at padding positions of ``tokens``.
 
     Keyword Args:
+        layout: ``"dialog"`` (default) or ``"turn"``, see above.
         tokens_key, prompt_key: a turn's full and prompt token ids.
         log_prob_key, reward_key, ref_log_prob_key, kl_key: see above; ``None``
             skips an entry. Missing optional entries are skipped too; a
@@ -236,11 +255,13 @@ class LLMToTokenBatch(Transform):
         truncated: NestedKey = ("next", "truncated")
         ref_log_prob: NestedKey = "ref_log_prob"
         kl_penalty: NestedKey = ("torchrl", "kl_penalty")
+        next_turn_row: NestedKey = "next_turn_row"
 
     def __init__(
         self,
         pad_token_id: int = 0,
         *,
+        layout: str = "dialog",
         tokens_key: NestedKey = ("tokens", "full"),
         prompt_key: NestedKey = ("tokens", "prompt"),
         log_prob_key: NestedKey | None = ("log_probs", "response"),
@@ -253,8 +274,11 @@ class LLMToTokenBatch(Transform):
     ):
         if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
             raise ValueError(f"pad_token_id={pad_token_id!r} must be a non-negative int (the tokenizer's pad id)")
+        if layout not in ("dialog", "turn"):
+            raise ValueError(f"layout={layout!r} must be 'dialog' (one row per dialog) or 'turn' (one row per turn)")
         super().__init__(in_keys=[], out_keys=[])
         self.pad_token_id = pad_token_id
+        self.layout = layout
         self.tokens_key = _as_key(tokens_key)
         self.prompt_key = _as_key(prompt_key)
         self.log_prob_key = None if log_prob_key is None else _as_key(log_prob_key)
@@ -331,6 +355,7 @@ class LLMToTokenBatch(Transform):
             groups = [list(row.unbind(0)) for row in flat.unbind(0)]
             names = [[f"turn [{n}, {s}]" for s in range(len(g))] for n, g in enumerate(groups)]
             split_on_break = False
+        dialog_layout = self.layout == "dialog"
         dialogs: list[list[_Turn]] = []
         for group, group_names in zip(groups, names):
             current: list[_Turn] = []
@@ -338,26 +363,39 @@ class LLMToTokenBatch(Transform):
                 turn = self._read_turn(turn_td, where)
                 if current:
                     prev = current[-1]
-                    continues = _is_prefix(prev.full, turn.full[: turn.prompt_len])
+                    # dialog layout: the previous turn's tokens must be a prefix of this prompt;
+                    # turn layout (no such promise): at least the previous prompt must be
+                    prefix = prev.full if dialog_layout else prev.full[: prev.prompt_len]
+                    continues = _is_prefix(prefix, turn.full[: turn.prompt_len])
                     if prev.done:
                         dialogs.append(current)
                         current = []
                     elif not continues:
-                        if not split_on_break:
+                        if not split_on_break and dialog_layout:
                             raise ValueError(
                                 f"{where} does not continue {prev.where} although {prev.where} is not done: its "
                                 f"prompt {_key_str(self.prompt_key)} does not start with the previous turn's "
-                                f"{_key_str(self.tokens_key)} (the tokenizer re-tokenised the history "
-                                f"differently). The generated positions of the earlier turn cannot be located in "
-                                f"the dialog. Keep the tokens incremental (ChatEnv(with_tokenizer=True) with "
-                                f"TransformersWrapper(prefer_tokens=True)), or set done at every turn."
+                                f"{_key_str(self.tokens_key)} (the history was re-tokenised differently, e.g. "
+                                f"TorchRL's History parsing strips the whitespace around a reply). The generated "
+                                f"tokens of the earlier turn cannot be located in the dialog. Use "
+                                f"LLMToTokenBatch(layout='turn') (one row per turn, bootstrapped from the next "
+                                f"turn with bootstrap_from_next_turn), or keep the tokens incremental."
                             )
-                        dialogs.append(current)
-                        current = []
+                        if split_on_break:
+                            dialogs.append(current)
+                            current = []
                 current.append(turn)
             if current:
                 dialogs.append(current)
-        return self._pack(dialogs)
+        if dialog_layout:
+            return self._pack(dialogs)
+        rows, links, dialog_ends = [], [], []
+        for dialog in dialogs:
+            for k, turn in enumerate(dialog):
+                rows.append([turn])
+                links.append(len(rows) if k + 1 < len(dialog) else -1)
+                dialog_ends.append(k + 1 == len(dialog))
+        return self._pack(rows, links=links, ends=dialog_ends)
 
     def _read_turn(self, td: TensorDictBase, where: str) -> _Turn:
         full = _get_1d(td, self.tokens_key, "tokens", where)
@@ -446,7 +484,9 @@ class LLMToTokenBatch(Transform):
             truncated=bool(truncated),
         )
 
-    def _pack(self, dialogs: list[list[_Turn]]) -> TensorDict:
+    def _pack(
+        self, dialogs: list[list[_Turn]], links: list[int] | None = None, ends: list[bool] | None = None
+    ) -> TensorDict:
         keys = self.out_keys_
         B = len(dialogs)
         T = max(d[-1].full.numel() for d in dialogs)
@@ -503,9 +543,9 @@ class LLMToTokenBatch(Transform):
                 if turn.kl is not None:
                     kl[b, lo:hi] = turn.kl[lo:hi].to(fdtype)
                     has["kl"] = True
-            # the dialog's end flags go on its last generated token
+            # the dialog's end flags go on its last generated token (turn layout: only on its last turn)
             pos = mask[b].nonzero()
-            if pos.numel():
+            if pos.numel() and (ends is None or ends[b]):
                 end = int(pos[-1])
                 flags["done"][b, end] = last.done
                 flags["terminated"][b, end] = last.terminated
@@ -524,6 +564,9 @@ class LLMToTokenBatch(Transform):
             batch_size=[B, T],
             device=None,
         )
+        if links is not None:
+            link = torch.tensor(links, dtype=torch.long, device=device)
+            out.set(keys.next_turn_row, link.unsqueeze(-1).expand(B, T).clone())
         if has["log_prob"]:
             out.set(keys.sample_log_prob, logp)
         if has["ref"]:
@@ -556,6 +599,83 @@ def _flag(td: TensorDictBase, key: NestedKey) -> bool | None:
 def _is_prefix(prefix: Tensor, seq: Tensor) -> bool:
     n = prefix.numel()
     return n <= seq.numel() and bool(torch.equal(prefix.to(seq.device), seq[:n]))
+
+
+def bootstrap_from_next_turn(
+    tensordict: TensorDictBase,
+    *,
+    value_key: NestedKey = "state_value",
+    next_value_key: NestedKey = ("next", "state_value"),
+    mask_key: NestedKey = "mask",
+    link_key: NestedKey = "next_turn_row",
+) -> TensorDictBase:
+    """Turn layout: set each turn's bootstrap value to the value of the next turn's prompt.
+
+    For a row ``b`` whose dialog continues in row ``n = next_turn_row[b]``::
+
+        next_state_value[b, last(b)] = state_value[n, first(n)]
+
+    where ``last(b)`` is the last generated token of row ``b`` and ``first(n)``
+    the first of row ``n``: ``state_value[n, first(n)]`` is the critic's value of
+    the next turn's whole prompt (the history plus the tool/user reply), the
+    state the environment moved to. Rows without a next turn in the batch keep
+    their value (a dialog cut by the batch boundary), and terminal rows are not
+    bootstrapped by :class:`~ppo_objectives.value.MaskedGAE` anyway. Call it on
+    the whole converted batch, after the critic and before a replay buffer
+    shuffles rows (``next_turn_row`` indexes rows of this batch). Modifies and
+    returns ``tensordict``.
+
+    Shapes: ``state_value`` and ``("next", "state_value")`` ``[B, T, 1]`` or
+    ``[B, T]``, ``mask`` and ``next_turn_row`` ``[B, T]``.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     {
+        ...         "mask": torch.tensor([[False, True, True, False], [False, False, True, True]]),
+        ...         "next_turn_row": torch.tensor([[1] * 4, [-1] * 4]),       # row 0 continues in row 1
+        ...         "state_value": torch.tensor([[0.0, 1.0, 2.0, 0.0], [0.0, 0.0, 5.0, 6.0]]),
+        ...         ("next", "state_value"): torch.tensor([[0.0, 2.0, 3.0, 0.0], [0.0, 0.0, 6.0, 7.0]]),
+        ...     },
+        ...     batch_size=[2, 4],
+        ... )
+        >>> bootstrap_from_next_turn(td)["next", "state_value"]            # 3. -> V(next prompt) = 5.
+        tensor([[0., 2., 5., 0.],
+                [0., 0., 6., 7.]])
+    """
+    mask = tensordict.get(mask_key)
+    link = tensordict.get(link_key, None)
+    if link is None:
+        raise KeyError(
+            f"bootstrap_from_next_turn: {_key_str(link_key)} is missing; it is written by "
+            f"LLMToTokenBatch(layout='turn')"
+        )
+    value, next_value = tensordict.get(value_key), tensordict.get(next_value_key)
+    if value is None or next_value is None:
+        raise KeyError(
+            f"bootstrap_from_next_turn: run the critic first ({_key_str(value_key)} and "
+            f"{_key_str(next_value_key)} are needed, e.g. from CausalLMCritic)"
+        )
+    mask = F._check_mask(mask, link.shape, "next_turn_row")
+    B, T = mask.shape
+    trailing = next_value.dim() == 3
+    v = value.reshape(B, T)
+    nv = next_value.reshape(B, T).clone()
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    last = torch.where(mask, pos, -1).amax(-1)  # [B], -1 for an empty row
+    first = torch.where(mask, pos, T).amin(-1)  # [B], T for an empty row
+    nxt = link[:, 0]
+    ok = (nxt >= 0) & (last >= 0)
+    safe_next = nxt.clamp(min=0)
+    first_of_next = first[safe_next]
+    ok = ok & (first_of_next < T)
+    boot = v[safe_next, first_of_next.clamp(max=T - 1)]
+    rows = torch.arange(B, device=mask.device)
+    cur = nv[rows, last.clamp(min=0)]
+    nv[rows, last.clamp(min=0)] = torch.where(ok, boot.to(nv.dtype), cur)
+    tensordict.set(next_value_key, nv.unsqueeze(-1) if trailing else nv)
+    return tensordict
 
 
 # --------------------------------------------------------------------------- #

@@ -25,7 +25,12 @@ from torchrl.envs.llm.transforms import RetrieveKL  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
 
 from ppo_objectives import functional as F  # noqa: E402
-from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch  # noqa: E402
+from ppo_objectives.llm_interop import (  # noqa: E402
+    CausalLMCritic,
+    CausalLMTokenLogProbs,
+    LLMToTokenBatch,
+    bootstrap_from_next_turn,
+)
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
 from ppo_objectives.value import MaskedGAE  # noqa: E402
 
@@ -153,7 +158,12 @@ def make_policy(lm, tok, max_new_tokens=4):
         input_mode="history",
         generate=True,
         return_log_probs=True,
-        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": True},
+        # no chat markup inside a reply (it would be parsed as extra messages)
+        generate_kwargs={
+            "max_new_tokens": max_new_tokens,
+            "do_sample": True,
+            "bad_words_ids": [[tok.convert_tokens_to_ids("<|im_start|>")], [tok.pad_token_id]],
+        },
     )
 
 
@@ -334,6 +344,65 @@ def test_full_log_prob_key_is_sliced_to_the_generated_tokens():
     assert out["sample_log_prob"].tolist() == [[0, 0, -0.5]]
 
 
+def _non_incremental_dialog():
+    # turn 1's prompt re-renders turn 0's reply [3, 4] as [3] (e.g. a stripped trailing newline)
+    return rows(
+        [
+            turn_td([1, 2], [1, 2, 3, 4], logp=[-0.1, -0.2], reward=1.0),
+            turn_td([1, 2, 3, 9], [1, 2, 3, 9, 5, 6], logp=[-0.3, -0.4], reward=10.0, done=True),
+        ]
+    )
+
+
+def test_turn_layout_gives_one_row_per_turn_linked_to_the_next_turn():
+    out = LLMToTokenBatch(layout="turn")(_non_incremental_dialog())
+    assert out["tokens"].tolist() == [[1, 2, 3, 4, 0, 0], [1, 2, 3, 9, 5, 6]]
+    assert out["mask"].int().tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]]
+    assert out["next_turn_row"][:, 0].tolist() == [1, -1]
+    assert out["next", "reward"].squeeze(-1).tolist() == [[0, 0, 0, 1.0, 0, 0], [0, 0, 0, 0, 0, 10.0]]
+    # only the dialog's last turn carries its end flags; turn 0 is bootstrapped
+    assert out["next", "done"].squeeze(-1).int().tolist() == [[0] * 6, [0] * 5 + [1]]
+
+
+def test_turn_layout_gae_bootstraps_from_the_value_of_the_next_turns_prompt():
+    out = LLMToTokenBatch(layout="turn")(_non_incremental_dialog())
+    m = out["mask"].unsqueeze(-1)
+    out["state_value"] = torch.where(m, torch.tensor(0.5), torch.tensor(0.0)).expand(2, 6, 1).clone()
+    out["state_value"][1, 4, 0] = 4.0  # V(next turn's prompt [1, 2, 3, 9])
+    out["next", "state_value"] = torch.zeros(2, 6, 1)
+    bootstrap_from_next_turn(out)
+    assert out["next", "state_value"][0, 3, 0] == 4.0  # last token of turn 0 <- V(next prompt)
+    MaskedGAE(gamma=1.0, lmbda=1.0)(out)
+    # turn 0 (gamma = lam = 1): A = r + V_boot - V at its end: 1 + 4 - 0.5 = 4.5 at token 3,
+    # and token 2: 0 + (V_3 - V_2) + A_3 = 0 + 0 + 4.5 = 4.5
+    torch.testing.assert_close(out["advantage"][0].squeeze(-1), torch.tensor([0, 0, 4.5, 4.5, 0, 0]))
+    # turn 1 terminal: reward-to-go 10 minus V: token 4: 10 - 4 = 6; token 5: 10 - 0.5 = 9.5
+    torch.testing.assert_close(out["advantage"][1].squeeze(-1), torch.tensor([0, 0, 0, 0, 6.0, 9.5]))
+
+
+def test_turn_layout_in_a_flat_batch_links_only_turns_of_the_same_dialog():
+    flat = lazy_stack(
+        [
+            turn_td([1], [1, 2], logp=[-1.0], reward=0.0),
+            turn_td([1, 7], [1, 7, 3], logp=[-1.0], reward=0.0),  # same dialog: starts with prompt [1]
+            turn_td([5], [5, 6], logp=[-1.0], reward=0.0),  # another env
+        ]
+    )
+    out = LLMToTokenBatch(layout="turn")(flat)
+    assert out["next_turn_row"][:, 0].tolist() == [1, -1, -1]
+
+
+def test_error_for_an_unknown_layout():
+    with pytest.raises(ValueError, match="layout='token' must be 'dialog'"):
+        LLMToTokenBatch(layout="token")
+
+
+def test_error_when_bootstrapping_without_turn_links():
+    out = LLMToTokenBatch()(rows([turn_td([1], [1, 2], logp=[-1.0], reward=1.0, done=True)]))
+    with pytest.raises(KeyError, match="layout='turn'"):
+        bootstrap_from_next_turn(out)
+
+
 def test_zero_reward_when_reward_key_is_none():
     t = turn_td([1], [1, 2], logp=[-1.0], done=True)
     out = LLMToTokenBatch(reward_key=None)(rows([t]))
@@ -373,7 +442,7 @@ def test_replay_buffer_stores_token_rows_on_extend():
 # --------------------------------------------------------------------------- #
 def test_error_when_a_row_re_tokenises_the_history():
     bad = rows([turn_td([1], [1, 2], logp=[-1.0], reward=0.0), turn_td([1, 3, 9], [1, 3, 9, 4], logp=[-1.0], reward=0.0)])
-    with pytest.raises(ValueError, match="does not continue .* re-tokenised the history"):
+    with pytest.raises(ValueError, match="does not continue .* re-tokenised differently.*layout='turn'"):
         LLMToTokenBatch()(bad)
 
 
@@ -609,6 +678,32 @@ def test_retrieve_kl_outputs_match_our_reference_log_probs(lm_eos, tok, assistan
     torch.testing.assert_close(
         out["torchrl", "kl_penalty"][scored], (out["gen"] - out["ours"])[scored], rtol=1e-4, atol=1e-4
     )
+
+
+def test_whitespace_stripping_history_needs_the_turn_layout_which_trains(tok):
+    # A model that mostly writes newlines: TorchRL's History parsing strips them from the reply,
+    # so the next prompt no longer starts with the sampled tokens.
+    lm = make_lm(tok, seed=0)
+    bias = torch.zeros(len(tok))
+    bias[tok.convert_tokens_to_ids("\n")] = 4.0
+    lm.register_forward_hook(lambda m, a, k, o: o.__setitem__("logits", o["logits"] + bias) or o, with_kwargs=True)
+    data = collect(lm, tok, turns=2)
+    with pytest.raises(ValueError, match="layout='turn'"):
+        LLMToTokenBatch(pad_token_id=tok.pad_token_id)(data)
+    out = LLMToTokenBatch(pad_token_id=tok.pad_token_id, layout="turn")(data)
+    assert out.batch_size[0] == 4 and out["next_turn_row"][:, 0].tolist() == [1, -1, 3, -1]
+    critic = CausalLMCritic(make_lm(tok, seed=2))
+    with torch.no_grad():
+        CausalLMTokenLogProbs(lm, out_key="sample_log_prob", entropy_key=None)(out)
+        critic(out)
+    bootstrap_from_next_turn(out)
+    MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(out)
+    loss = TokenPPOLoss(CausalLMTokenLogProbs(lm), critic, kl_coeff=0.0)
+    terms = loss(out)
+    total = terms["loss_objective"] + terms["loss_critic"] + terms["loss_entropy"]
+    assert torch.isfinite(total)
+    total.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
 
 
 def _ppo_step(out, lm, critic, *, kl_transform=None):
