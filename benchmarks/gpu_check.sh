@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU check: the CUDA-marked tests and both benchmarks on a CUDA machine, in under 8 minutes.
+#
+#   bash benchmarks/gpu_check.sh            # results in ./gpu_results (or in $OUT when set)
+#
+# Run from the repository root. Python packages the machine lacks (torchrl, tensordict and
+# their small dependencies) are installed from wheels in .whl/ when that folder exists (see
+# benchmarks/README.md for how to fetch them); the project itself is used in place through
+# PYTHONPATH, so nothing needs network access. Each step has its own time limit; the script
+# goes on after a failed step and exits non-zero if any step failed.
+set -u -o pipefail
+
+RESULTS="${OUT:-gpu_results}"
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_check.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+status=0
+
+step() {  # step NAME SECONDS CMD... : run with a time limit, tee into $RESULTS/NAME.txt
+    local name="$1" limit="$2"
+    shift 2
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "=== installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site" | tee -a "$LOG"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG" || status=1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step environment 40 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+    $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())'; \
+    $PY -c 'import triton; print(\"triton\", triton.__version__)'; \
+    $PY -c 'import torchrl, tensordict, ppo_objectives; print(\"torchrl\", torchrl.__version__, \"tensordict\", tensordict.__version__); \
+from ppo_objectives import _gae_fast; print(\"masked_gae auto backend on cuda:\", _gae_fast.select_backend(\"cuda\", \"auto\"))'"
+
+step pytest_cuda 160 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
+
+step bench_gae_cuda 130 "$PY" benchmarks/bench_gae.py --device cuda
+
+step bench_logprobs_cuda 110 "$PY" benchmarks/bench_logprobs.py --device cuda
+
+echo "=== gpu_check done, status $status; results in $RESULTS" | tee -a "$LOG"
+exit "$status"
