@@ -19,18 +19,23 @@ from ppo_objectives.functional import (
     response_logp_positions,
     value_checks,
 )
+from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch, bootstrap_from_next_turn
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
 __all__ = [
     "AdaptiveKLController",
+    "CausalLMCritic",
+    "CausalLMTokenLogProbs",
     "FixedKLController",
     "KLPenaltyTransform",
+    "LLMToTokenBatch",
     "MINIMIND_PPO_DEFAULTS",
     "MaskedGAE",
     "TokenPPOLoss",
     "aggregate_loss",
+    "bootstrap_from_next_turn",
     "approx_kl",
     "clipped_value_loss",
     "explained_variance",
