@@ -21,13 +21,19 @@ With ``PPO_TUTORIAL_SMOKE=1`` it runs two iterations only.
 """
 
 import copy
+import importlib.util
 import os
 import string
+import sys
 import time
 import warnings
 
 import torch
 from tensordict import lazy_stack
+
+if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("tokenizers") is None:
+    print('This tutorial needs the optional Hugging Face extra: pip install -e ".[hf]"  (skipping)')
+    sys.exit(0)
 
 SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 ITERATIONS = 2 if SMOKE else 40
