@@ -89,7 +89,12 @@ def _get_1d(td: TensorDictBase, key: NestedKey, what: str, where: str) -> Tensor
     """``td[key]`` for one turn as a 1-D tensor (``[L]``; a trailing ``1`` is dropped), or None."""
     if key is None:
         return None
-    x = td.get(key, None)
+    try:
+        x = td.get(key, None)
+    except ValueError:
+        # ("next", "ref_log_probs", "full") asked, but ("next", "ref_log_probs") is a tensor:
+        # TorchRL's KLRewardTransform stores the reference log-probs one level up
+        x = td.get(key[:-1], None) if isinstance(key, tuple) and len(key) > 1 else None
     if x is None:
         return None
     if not isinstance(x, Tensor):
@@ -170,8 +175,9 @@ class LLMToTokenBatch(Transform):
       the turn; a per-token reward (``[L, 1]``, as TorchRL's ``KLComputation``
       / ``KLRewardTransform`` write it) is taken on the generated tokens.
     - ``ref_log_prob_key`` (default ``("next", "ref_log_probs", "full")``, from
-      TorchRL's ``RetrieveKL`` / ``KLRewardTransform``) -> ``ref_log_prob``, so
-      our ``KLPenaltyTransform`` can run on the converted batch.
+      TorchRL's ``RetrieveKL``; ``KLRewardTransform`` writes a tensor at
+      ``("next", "ref_log_probs")``, which is read in its place) -> ``ref_log_prob``,
+      so our ``KLPenaltyTransform`` can run on the converted batch.
     - ``kl_key`` (default ``("next", "kl_penalty")``) -> ``("torchrl", "kl_penalty")``:
       the KL TorchRL computed (and, with its ``add_to_reward=True``, already
       took from the reward). It is kept out of our ``"kl_penalty"`` entry on

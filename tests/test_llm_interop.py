@@ -337,6 +337,18 @@ def test_torchrl_kl_outputs_are_read_on_each_turns_own_tokens():
     assert "kl_penalty" not in out.keys()  # so that our KLPenaltyTransform still applies
 
 
+def test_kl_reward_transform_layout_is_read_too():
+    # KLRewardTransform writes ("next", "reward"), ("next", "kl_penalty") and ("next", "ref_log_probs")
+    # (a tensor, not a ("ref_log_probs", "full") container), all [L, 1]
+    t = turn_td([1], [1, 2, 3], logp=[-0.5, -0.6], reward=[0.0, -0.1, 0.9], done=True)
+    t["next", "kl_penalty"] = torch.tensor([[0.0], [0.1], [0.1]])
+    t["next", "ref_log_probs"] = torch.tensor([[0.0], [-0.6], [-0.7]])
+    out = LLMToTokenBatch()(rows([t]))
+    torch.testing.assert_close(out["ref_log_prob"], torch.tensor([[0.0, -0.6, -0.7]]))
+    torch.testing.assert_close(out["next", "reward"].squeeze(-1), torch.tensor([[0.0, -0.1, 0.9]]))
+    torch.testing.assert_close(out["torchrl", "kl_penalty"], torch.tensor([[0.0, 0.1, 0.1]]))
+
+
 def test_full_log_prob_key_is_sliced_to_the_generated_tokens():
     t = turn_td([1, 2], [1, 2, 3], reward=1.0, done=True)
     t["log_probs", "full"] = torch.tensor([9.0, 9.0, -0.5, 9.0])  # one longer: template rendering
