@@ -349,6 +349,27 @@ def test_kl_reward_transform_layout_is_read_too():
     torch.testing.assert_close(out["torchrl", "kl_penalty"], torch.tensor([[0.0, 0.1, 0.1]]))
 
 
+def test_our_kl_penalty_transform_on_a_converted_dialog_penalises_generated_tokens_only():
+    from ppo_objectives.transforms import KLPenaltyTransform
+
+    out = LLMToTokenBatch()(
+        rows(
+            [
+                turn_td([1, 2], [1, 2, 3, 4], logp=[-1.0, -1.0], reward=1.0),
+                turn_td([1, 2, 3, 4, 9, 9], [1, 2, 3, 4, 9, 9, 5, 6], logp=[-1.0, -1.0], reward=10.0, done=True),
+            ]
+        )
+    )
+    out["ref_log_prob"] = torch.where(out["mask"], torch.tensor(-1.5), torch.tensor(float("nan")))
+    out = KLPenaltyTransform(coeff=0.5)(out)
+    # k1 = logp - ref = -1 + 1.5 = 0.5 on the 4 generated tokens; reward -= 0.5 * 0.5 there only;
+    # the turn rewards 1 and 10 stay on their last generated tokens; NaN at holes never leaks
+    torch.testing.assert_close(out["kl_penalty"], torch.tensor([[0, 0, 0.5, 0.5, 0, 0, 0.5, 0.5]]))
+    torch.testing.assert_close(
+        out["next", "reward"].squeeze(-1), torch.tensor([[0, 0, -0.25, 0.75, 0, 0, -0.25, 9.75]])
+    )
+
+
 def test_full_log_prob_key_is_sliced_to_the_generated_tokens():
     t = turn_td([1, 2], [1, 2, 3], reward=1.0, done=True)
     t["log_probs", "full"] = torch.tensor([9.0, 9.0, -0.5, 9.0])  # one longer: template rendering
