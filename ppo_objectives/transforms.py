@@ -17,7 +17,7 @@ import warnings
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, dispatch
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 from torchrl.data import Composite, Unbounded
@@ -456,8 +456,13 @@ class KLPenaltyTransform(Transform):
             self.last_seq_kl = torch.cat(seq).float().mean()
         return tensordict
 
+    @dispatch(source="in_keys", dest="out_keys")
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Compute the KL (and penalise the reward) of a batch; returns ``tensordict``, updated in place."""
+        """Compute the KL (and penalise the reward) of a batch; returns ``tensordict``, updated in place.
+
+        Keyword tensors work too: ``t(sample_log_prob=..., ref_log_prob=..., mask=..., next_reward=...)``
+        returns ``(kl_penalty, ref_log_prob, next_reward)``.
+        """
         return self._penalize_batch(tensordict)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:

@@ -164,6 +164,26 @@ def test_garbage_at_masked_positions_changes_nothing():
         assert (b[key][~m] == 0).all()
 
 
+def test_kwargs_dispatch_path():
+    td = llm_batch()
+    kl, ref, reward = KLPenaltyTransform(coeff=0.2)(
+        sample_log_prob=td["sample_log_prob"], ref_log_prob=td["ref_log_prob"], mask=td["mask"],
+        next_reward=td["next", "reward"],
+    )  # fmt: skip
+    expected = KLPenaltyTransform(coeff=0.2)(td.clone())
+    torch.testing.assert_close(kl, expected["kl_penalty"])
+    torch.testing.assert_close(reward, expected["next", "reward"])
+    torch.testing.assert_close(ref, td["ref_log_prob"])
+
+
+def test_runs_on_every_device(device):
+    td = llm_batch().to(device)
+    t = KLPenaltyTransform(coeff=AdaptiveKLController(0.1)).to(device)
+    out = t(td)
+    assert out["kl_penalty"].device.type == device.type and out["next", "reward"].device.type == device.type
+    t.kl_controller.update(t.last_seq_kl, n_steps=3)
+
+
 def test_add_to_reward_false_leaves_the_reward_alone():
     td = llm_batch()
     reward = td["next", "reward"].clone()
