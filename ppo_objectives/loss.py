@@ -408,6 +408,13 @@ class TokenPPOLoss(LossModule):
         self._forward_value_estimator_keys()
         return self
 
+    def reset_parameters_recursive(self) -> None:
+        """Re-initialise the actor's and the critic's parameters (functional or not)."""
+        for name in ("actor_network", "critic_network"):
+            net = getattr(self, name, None)
+            if net is not None:
+                self._reset_module_parameters(name, net)
+
     # ------------------------------------------------------------------ forward
 
     def _run(self, name: str, tensordict: TensorDictBase, *outputs: NestedKey) -> TensorDictBase:

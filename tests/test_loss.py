@@ -320,9 +320,10 @@ def test_backward_of_the_sum_reaches_the_functional_parameters():
     assert {id(p) for p in loss.parameters()} == {id(p) for p in [*actor.parameters(), *critic.parameters()]}
 
 
-def test_reset_parameters_recursive_changes_network_parameters():
+@pytest.mark.parametrize("functional", [True, False])
+def test_reset_parameters_recursive_changes_network_parameters(functional):
     actor, critic = make_nets()
-    loss = TokenPPOLoss(actor, critic)
+    loss = TokenPPOLoss(actor, critic, functional=functional)
     before = [p.detach().clone() for p in loss.parameters()]
     loss.reset_parameters_recursive()
     after = list(loss.parameters())
