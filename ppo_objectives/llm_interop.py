@@ -17,6 +17,8 @@ column per token**. This module bridges the two:
 - :class:`CausalLMTokenLogProbs`: the matching actor read-out, the log-prob of
   every token of a row under the LM (for ``TokenPPOLoss`` and for recomputing
   the sampling log-probs, see the note in :class:`LLMToTokenBatch`).
+- :func:`bootstrap_from_next_turn`: for the one-row-per-turn layout, the value
+  of the next turn's prompt as each turn's bootstrap value.
 
 ``transformers`` is an optional extra (``pip install ppo_objectives[hf]``):
 nothing here imports it; the two modules take an already built model.
@@ -30,7 +32,8 @@ Shape letters:
 - ``L``: tokens of one turn's ``("tokens", "full")`` (ragged across turns).
 - ``H``: hidden size of the language model; ``V`` its vocabulary size.
 
-The token-level layout (``batch_size=[B, T]``), per token ``t`` of row ``b``:
+The token-level layout (``batch_size=[B, T]``; one row per dialog, or per
+turn with ``layout="turn"``), per token ``t`` of row ``b``:
 
 ============================== ============ ==================================================
 key                            shape        meaning
@@ -53,6 +56,8 @@ key                            shape        meaning
 ``"ref_log_prob"``             [B, T]       (when present upstream) the reference model's
                                             log-probs, from ``("next", "ref_log_probs", "full")``
 ``("torchrl", "kl_penalty")``  [B, T]       (when present upstream) TorchRL's ``kl_penalty``
+``"next_turn_row"``            [B, T]       (``layout="turn"`` only) row of the dialog's next
+                                            turn in the batch, -1 if none; constant along T
 ============================== ============ ==================================================
 
 Log-prob, value and token alignment: ``sample_log_prob[b, t]`` is
