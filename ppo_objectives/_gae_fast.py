@@ -21,9 +21,9 @@ Backends
 ``"torch"`` (:func:`gae_advantages_torch`), any device, no host synchronisation and no
 data-dependent shape, so ``torch.compile(fullgraph=True)`` compiles it:
 
-1. compact: ``rank = cumsum(mask) - 1`` gives each valid token its slot in a left-packed
-   row; one ``scatter`` per input writes it there (masked tokens go to a dump column that is
-   never read back);
+1. compact: ``slot = cumsum(mask)`` gives each valid token its place in a left-packed row;
+   one ``scatter`` per input writes it there (masked tokens go to a dump column whose
+   garbage is never read into arithmetic);
 2. TD errors on the packed rows, where "next valid" is simply "next slot"; the bootstrap is
    added to the packed reward of the last valid slot as ``gamma * bootstrap``;
 3. the discounted reverse cumulative sum ``A_k = sum_{j >= k} g^(j-k) delta_j`` with the
@@ -225,26 +225,29 @@ def gae_advantages_torch(
     dtype = rewards.dtype
     c = min(_BLOCK, r)
     length = -(-r // c) * c  # packed width L >= R, a whole number of blocks
-    rank = torch.cumsum(mask, dim=-1) - 1  # [N, R] slot of each valid token
-    dump = length + 1  # column L is always 0 ("after the last slot"), L + 1 catches masked tokens
-    idx = torch.where(mask, rank, dump)
-    packed_r = rewards.new_zeros(n, length + 2).scatter_(1, idx, rewards)
-    packed_v = values.new_zeros(n, length + 2).scatter_(1, idx, values)
+    # packed row layout, L + 3 columns: [0] unused, [1 .. count] the valid tokens in order,
+    # [count + 1 .. L + 1] zeros ("after the last slot"), [L + 2] dump for masked tokens
+    slot = torch.cumsum(mask, dim=-1)  # [N, R] 1-based slot of each valid token
+    dump = length + 2
+    idx = torch.where(mask, slot, dump)
+    packed_r = rewards.new_zeros(n, length + 3).scatter_(1, idx, rewards)
+    packed_v = values.new_zeros(n, length + 3).scatter_(1, idx, values)
     if bootstrap_value is not None:
-        # delta of the last valid slot gets + gamma * bootstrap (an empty row has no slot to
-        # read back, so its slot 0 may take it harmlessly)
-        last = rank[:, -1:].clamp(min=0)
-        packed_r.scatter_add_(1, last, (bootstrap_value.reshape(n, 1) * gamma).to(dtype))
-    # columns >= count are 0 in both rows, so delta is 0 there and V_next of the last slot is 0
-    own = packed_r[:, :length] - packed_v[:, :length]
-    next_v = packed_v[:, 1 : length + 1]
+        # the last valid slot's delta gets + gamma * bootstrap; an empty row puts it in the
+        # unused column 0
+        packed_r.scatter_add_(1, slot[:, -1:], (bootstrap_value.reshape(n, 1) * gamma).to(dtype))
+    # slots past the last valid one are 0 in both rows, so delta is 0 there and the last
+    # valid slot sees V_next = 0
+    own = packed_r[:, 1 : length + 1] - packed_v[:, 1 : length + 1]
+    next_v = packed_v[:, 2 : length + 2]
     if isinstance(gamma, Tensor):
         delta = torch.addcmul(own, next_v, gamma.to(dtype))
     else:
         delta = torch.add(own, next_v, alpha=gamma)
-    adv_packed = discounted_reverse_cumsum(delta, gamma * lam)
-    # two zero columns again, so masked tokens read 0 from the dump column L + 1
-    return F.pad(adv_packed, (0, 2)).gather(1, idx)
+    adv_packed = discounted_reverse_cumsum(delta, gamma * lam)  # [N, L], slot k at column k - 1
+    # back to the layout of idx (zero columns at 0, L + 1 and the dump L + 2), then unpack:
+    # masked tokens read 0 from the dump column
+    return F.pad(adv_packed, (1, 2)).gather(1, idx)
 
 
 # ----------------------------------------------------------------------------------------------
