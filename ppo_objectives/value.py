@@ -139,6 +139,11 @@ class MaskedGAE(ValueEstimatorBase):
     ``("next", "state_value")``    [*B, T(, 1)]  collector layout: bootstrap values
     ============================== ============= ==========================================
 
+    A trailing singleton is TorchRL's per-step layout when the other dims are the
+    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
+    A ``[B]`` TensorDict holding ``[B, R]`` entries works too, but there
+    ``R == 1`` reads as one trajectory of ``B`` steps: prefer ``batch_size=[B, R]``.
+
     Keys written: ``"advantage"`` and ``"value_target"`` in the layout of the
     value entry (``[*B, T]`` or ``[*B, T, 1]``), exactly 0 at masked steps; the
     advantage is whitened over the valid steps of the whole batch when
@@ -151,6 +156,9 @@ class MaskedGAE(ValueEstimatorBase):
             the value entry is missing (and on ``"next"`` when bootstrap values
             are needed but missing). ``None`` is the usual case for a
             transformer critic that scored the whole sequence at rollout time.
+
+    Functional ``params`` / ``target_params`` (which TorchRL's PPO losses pass to
+    :meth:`forward`) are used only when the value network has to run.
 
     Keyword Args:
         average_gae: whiten the advantages over the valid steps (MiniMind: True).

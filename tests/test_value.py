@@ -434,3 +434,36 @@ def test_segmented_recursion_compiles_fullgraph():
     for a, b in zip(compiled(*args), _segmented_masked_gae(*args)):
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+def test_usable_as_the_value_estimator_of_torchrls_clip_ppo_loss():
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import ClipPPOLoss
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 2), NormalParamExtractor())
+    actor = ProbabilisticActor(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"], distribution_class=TanhNormal, return_log_prob=True,
+    )  # fmt: skip
+    critic = ValueOperator(nn.Linear(3, 1), in_keys=["observation"])
+    obs = torch.randn(2, 6, 3)
+    done = torch.zeros(2, 5, 1, dtype=torch.bool)
+    done[0, 2] = True
+    td = TensorDict(
+        {
+            "observation": obs[:, :-1], ("next", "observation"): obs[:, 1:], "action": torch.rand(2, 5, 1) * 0.5,
+            ("next", "reward"): torch.randn(2, 5, 1), ("next", "done"): done, ("next", "terminated"): done,
+        },
+        [2, 5],
+    )  # fmt: skip
+    with torch.no_grad():
+        actor(td)
+    loss = ClipPPOLoss(actor, critic)
+    loss.make_value_estimator(MaskedGAE(0.9, 0.8, value_network=critic))
+    ours = loss.value_estimator(td.clone(), params=loss.critic_network_params.detach())["advantage"]
+    ref = GAE(gamma=0.9, lmbda=0.8, value_network=critic)(td.clone())["advantage"]
+    torch.testing.assert_close(ours, ref)
+    out = loss(td.clone())
+    assert torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
