@@ -480,7 +480,8 @@ class TokenLMEnv(EnvBase):
 def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_tokens: int) -> TensorDict:
     """Finished responses of a per-token collector batch, one row each.
 
-    A TorchRL collector returns ``[N, T]`` steps (or ``[T]`` for one env), each
+    A TorchRL collector returns ``[N, T]`` steps (``[T]`` for one env, ``[W, N, T]``
+    from a ``MultiSyncCollector`` with stacked results), each
     row a stream of episodes of varying length. Every step whose
     ``("next", "done")`` is set closes one response; it is kept when its first
     token is inside the batch (episodes cut by the batch's start are
@@ -519,10 +520,15 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
         (3, torch.bool, True)
     """
     P, M = prompt_len, max_new_tokens
+    if batch.batch_dims == 0:
+        raise ValueError(
+            f"expected a collector batch [*N, T] (time last), got batch_size {tuple(batch.batch_size)}: "
+            "pass the collector's output, not a single step"
+        )
     if batch.batch_dims == 1:
         batch = batch.unsqueeze(0)
-    if batch.batch_dims != 2:
-        raise ValueError(f"expected a collector batch [N, T] or [T], got batch_size {tuple(batch.batch_size)}")
+    elif batch.batch_dims > 2:  # MultiSyncCollector stacks [workers, N, T]
+        batch = batch.reshape(-1, batch.shape[-1])
     nxt = batch.get("next")
     done = nxt.get("done").reshape(batch.shape)  # [N, T]
     n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)

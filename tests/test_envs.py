@@ -269,8 +269,10 @@ def test_trajectories_cut_by_the_batch_start_are_dropped():
     tail = roll[:, 2:]  # episodes of steps 0-3 are cut: only the ones of steps 4-7 survive
     llm = trajectories_to_llm_batch(tail, env.prompt_len, env.max_new_tokens)
     assert llm.batch_size == (2,) and (llm["score"] == 1).all()
-    with pytest.raises(ValueError, match="expected a collector batch"):
-        trajectories_to_llm_batch(roll.unsqueeze(0), 4, 4)
+    with pytest.raises(ValueError, match=r"expected a collector batch \[\*N, T\] \(time last\), got batch_size \(\)"):
+        trajectories_to_llm_batch(roll[0, 0], 4, 4)
+    stacked = trajectories_to_llm_batch(roll.unsqueeze(0), env.prompt_len, env.max_new_tokens)  # [W, N, T]
+    assert stacked.batch_size == (4,)
     single = trajectories_to_llm_batch(roll[0], env.prompt_len, env.max_new_tokens)  # a [T] batch
     assert single.batch_size == (2,)
     assert isinstance(single, TensorDict)

@@ -1,0 +1,153 @@
+"""The end-to-end loop: collectors, one PPO update, early stop, checkpoints and the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppo_objectives import train as T
+from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.models import TinyLMConfig, make_actor_critic
+from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
+from ppo_objectives.value import MaskedGAE
+
+SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress"]
+
+
+def _pieces(seed=0, num_envs=16, **cfg_kw):
+    torch.manual_seed(seed)
+    cfg = T.TrainConfig(num_envs=num_envs, preset="pico", **cfg_kw)
+    task = DigitTask("reverse", 3)
+    env = TokenLMEnv.from_task(task, num_envs=num_envs, seed=seed)
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=env.seq_len), env.prompt_len)
+    ref = T._frozen_reference(ac.actor_model, env.prompt_len)
+    kl = KLPenaltyTransform(ref, coeff=FixedKLController(0.02))
+    gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+    loss.make_value_estimator(gae)
+    opts = (
+        torch.optim.AdamW(ac.actor_parameters(), lr=3e-3),
+        torch.optim.AdamW(ac.critic_parameters(), lr=3e-3),
+    )
+    return cfg, task, env, ac, kl, gae, loss, opts
+
+
+def _total(loss, batch):
+    with torch.no_grad():
+        out = loss(batch)
+    return float(sum(v for k, v in out.items() if k.startswith("loss_")))
+
+
+def test_collector_batch_becomes_an_llm_batch_with_advantages():
+    cfg, task, env, ac, kl, gae, loss, opts = _pieces()
+    collector = T.make_collector(cfg, task, ac.policy, env)
+    try:
+        llm = T.rollout_batch(iter(collector), ac, kl, gae, env.prompt_len, env.max_new_tokens)
+    finally:
+        collector.shutdown()
+    B, R = llm.batch_size[0], env.max_new_tokens
+    assert B >= 16  # reset_at_each_iter: every row finishes its first response
+    for key in ("advantage", "value_target", "state_value", "ref_log_prob", "kl_penalty", "sample_log_prob"):
+        assert llm[key].shape == (B, R), key
+    m = llm["mask"]
+    assert (llm["advantage"][~m] == 0).all()
+    # whitened over the valid tokens of the batch
+    assert abs(float(llm["advantage"][m].mean())) < 1e-5
+    # the reference is the starting policy: the rollout's KL to it is exactly 0
+    torch.testing.assert_close(llm["kl_penalty"], torch.zeros(B, R), atol=1e-5, rtol=0)
+
+
+def test_one_training_iteration_decreases_the_loss_on_a_fixed_batch():
+    cfg, task, env, ac, kl, gae, loss, opts = _pieces(ppo_epochs=4, minibatches=1, early_stop_kl=0.0)
+    collector = T.make_collector(cfg, task, ac.policy, env)
+    try:
+        llm = T.rollout_batch(iter(collector), ac, kl, gae, env.prompt_len, env.max_new_tokens)
+    finally:
+        collector.shutdown()
+    before = _total(loss, llm)
+    stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+    after = _total(loss, llm)
+    assert stats["updates"] == 4 and stats["early_stopped"] == 0
+    assert after < before
+
+
+def test_approx_kl_early_stop_really_stops_the_optimizer_steps():
+    # the first minibatch is on-policy (kl_approx = 0, step taken); after that step the
+    # policy moved, so the next minibatch's kl_approx exceeds the tiny threshold: stop
+    cfg, task, env, ac, kl, gae, loss, opts = _pieces(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12)
+    collector = T.make_collector(cfg, task, ac.policy, env)
+    try:
+        llm = T.rollout_batch(iter(collector), ac, kl, gae, env.prompt_len, env.max_new_tokens)
+    finally:
+        collector.shutdown()
+    stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+    assert stats["updates"] == 1 and stats["early_stopped"] == 1
+    steps = [int(s["step"]) for opt in opts for s in opt.state.values()]
+    assert steps and set(steps) == {1}  # AdamW really stepped once, not 16 times
+    assert stats["kl_approx_max"] > 1e-12
+
+
+@pytest.mark.slow
+def test_multisync_collector_with_two_workers_follows_the_weights():
+    cfg, task, env, ac, kl, gae, loss, opts = _pieces(num_envs=8, workers=2)
+    collector = T.make_collector(cfg, task, ac.policy, env)
+    try:
+        it = iter(collector)
+        first = trajectories_to_llm_batch(next(it), env.prompt_len, env.max_new_tokens)
+        assert first.batch_size[0] >= 8
+        with torch.no_grad():
+            for p in ac.actor_model.parameters():
+                p.mul_(3.0)  # very different weights
+        collector.update_policy_weights_()
+        second = trajectories_to_llm_batch(next(it), env.prompt_len, env.max_new_tokens)
+    finally:
+        collector.shutdown()
+    with torch.no_grad():
+        logp = ac.actor(second)["log_prob"]
+    m = second["mask"]
+    torch.testing.assert_close(logp[m], second["sample_log_prob"][m], atol=1e-4, rtol=1e-4)
+
+
+def test_main_job_runs_two_iterations_and_writes_its_outputs(tmp_path):
+    T.main(["--iterations", "2", "--out", str(tmp_path), "--no-progress"])
+    rows = T.read_metrics(tmp_path / "metrics.csv")
+    assert [r["iteration"] for r in rows] == [1.0, 2.0]
+    assert set(T.METRICS) <= set(rows[0])
+    assert 0.0 <= rows[0]["reward"] <= 1.0 and rows[0]["updates"] >= 1
+    assert (tmp_path / "training.png").stat().st_size > 0
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["iteration"] == 2
+    assert {"actor_model", "critic_model", "actor_opt", "critic_opt", "kl_controller", "torch_rng"} <= set(ckpt)
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temporary file
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    T.main(["--iterations", "4", "--out", str(full), "--no-plot", *SMALL])
+    T.main(["--iterations", "2", "--out", str(split), "--no-plot", *SMALL])
+    T.main(["--iterations", "4", "--out", str(split), "--no-plot", "--resume", *SMALL])
+    a, b = T.read_metrics(full / "metrics.csv"), T.read_metrics(split / "metrics.csv")
+    assert [r["iteration"] for r in b] == [1.0, 2.0, 3.0, 4.0]
+    for key in ("reward", "loss_objective", "loss_critic", "kl_ref", "kl_approx"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-5, abs=1e-7), key
+
+
+def test_help_documents_every_flag():
+    text = T.build_parser().format_help()
+    for flag in ("--iterations", "--seed", "--device", "--out", "--resume", "--workers", "--early-stop-kl"):
+        assert flag in text
+    proc = subprocess.run([sys.executable, "-m", "ppo_objectives.train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--kl-coef" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="--device cuda was given but torch.cuda.is_available"):
+        T.main(["--iterations", "1", "--device", "cuda", "--out", str(tmp_path)])
+
+
+def test_every_logged_metric_is_explained_in_the_module_docstring():
+    for name in T.METRICS:
+        assert f"``{name}``" in T.__doc__ or f"``{name}`` /" in T.__doc__ or f"/ ``{name}``" in T.__doc__, name
