@@ -19,8 +19,8 @@ each chunk's softmax from the saved logits and ``lse``::
     d entropy / d x_v = -softmax_v * (log_softmax_v + entropy)
 
 and adds the chunk's rows into a zero gradient with ``index_add_`` (repeated positions add up).
-Extra memory at any moment is a few ``[c, V]`` float32 buffers; the default ``c`` keeps them
-to about 1/8 of the logits' size (at least ~1 MiB per chunk, so tiny inputs are not split into
+Extra memory at any moment is at most three ``[c, V]`` buffers (allocated once, reused by
+every chunk, arithmetic in place); the default ``c`` keeps them to about 1/8 of the logits' size (at least ~1 MiB per chunk, so tiny inputs are not split into
 single rows). Gradients are first-order only: the backward is marked ``once_differentiable``,
 so a double backward raises instead of silently being wrong.
 """
@@ -53,6 +53,37 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+class _ChunkBuffers:
+    """``[c, V]`` work buffers allocated once and reused by every chunk.
+
+    Reuse matters on CPU, where each fresh multi-megabyte allocation is new pages the kernel
+    has to fault in and zero; on CUDA it saves allocator traffic.
+    """
+
+    def __init__(self, logits: Tensor, chunk: int, cd: torch.dtype, want_second: bool):
+        b, t, v = logits.shape
+        self.t = t
+        self.flat = logits.reshape(b * t, v) if logits.is_contiguous() else None
+        self.logits = logits
+        self.x = logits.new_empty((chunk, v), dtype=cd)
+        self.second = logits.new_empty((chunk, v), dtype=cd) if want_second else None
+        # rows are copied in the logits' dtype first when it differs from the compute dtype
+        self.raw = logits.new_empty((chunk, v)) if logits.dtype != cd else None
+
+    def load(self, rows: Tensor) -> Tensor:
+        """The selected rows, upcast, in ``self.x[:len(rows)]`` (no full-size copy)."""
+        k = rows.numel()
+        x = self.x[:k]
+        target = self.raw[:k] if self.raw is not None else x
+        if self.flat is not None:
+            torch.index_select(self.flat, 0, rows, out=target)
+        else:  # non-contiguous logits: advanced indexing copies only these rows
+            target.copy_(self.logits[rows // self.t, rows % self.t])
+        if self.raw is not None:
+            x.copy_(target)
+        return x
+
+
 class _GatheredLogProbs(torch.autograd.Function):
     """Chunked ``log_softmax(...).gather`` (+ entropy) with a recomputing backward."""
 
@@ -61,22 +92,29 @@ class _GatheredLogProbs(torch.autograd.Function):
         # logits [B, T, V]; rows [N] flat row index b * T + p; targets [N]
         b, t, v = logits.shape
         cd = _compute_dtype(logits)
-        flat = logits.reshape(b * t, v) if logits.is_contiguous() else None
         n = rows.numel()
+        chunk = max(1, min(chunk, n))
         logp = torch.empty(n, dtype=cd, device=logits.device)
         lse = torch.empty(n, dtype=cd, device=logits.device)
         entropy = torch.empty(n, dtype=cd, device=logits.device) if want_entropy else None
+        bufs = _ChunkBuffers(logits, chunk, cd, want_second=want_entropy) if n else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            x = _rows(logits, flat, rows[s:e], t).to(cd)  # [c, V] a copy
-            lse_c = torch.logsumexp(x, dim=-1)
-            lse[s:e] = lse_c
-            logp[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+            x = bufs.load(rows[s:e])  # [c, V] float32
+            picked = x.gather(-1, targets[s:e, None]).squeeze(-1)
+            top = x.amax(dim=-1, keepdim=True)
+            shifted = x.sub_(top)  # x - max, in place
             if want_entropy:
-                logq = x.sub_(lse_c[:, None])  # in place: the chunk's log-softmax
-                q = logq.exp()
-                entropy[s:e] = -torch.linalg.vecdot(q, logq)  # H = -sum_v q_v log q_v
-            del x
+                ex = torch.exp(shifted, out=bufs.second[: e - s])
+                total = ex.sum(-1)
+                # H = lse - sum_v q_v x_v = log(total) - sum_v ex_v (x_v - max) / total
+                weighted = ex.mul_(shifted).sum(-1)
+                entropy[s:e] = torch.log(total) - weighted / total
+            else:
+                total = shifted.exp_().sum(-1)
+            lse_c = top.squeeze(-1) + torch.log(total)
+            lse[s:e] = lse_c
+            logp[s:e] = picked - lse_c
         ctx.chunk = chunk
         ctx.shape = (b, t, v)
         ctx.want_entropy = want_entropy
@@ -97,33 +135,26 @@ class _GatheredLogProbs(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         grad = torch.zeros((b * t, v), dtype=logits.dtype, device=logits.device)
-        flat = logits.reshape(b * t, v) if logits.is_contiguous() else None
-        chunk = ctx.chunk
         n = rows.numel()
+        chunk = ctx.chunk
+        bufs = _ChunkBuffers(logits, chunk, cd, want_second=use_h) if n else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             gl = grad_logp[s:e, None].to(cd)
-            logq = _rows(logits, flat, rows[s:e], t).to(cd).sub_(lse[s:e, None])
-            q = logq.exp()
+            logq = bufs.load(rows[s:e]).sub_(lse[s:e, None])  # log softmax, in place
             if use_h:
-                # -q * (g_logp + g_H * (log q + H)), built in place in logq
+                # d/dx = -q * (g_logp + g_H * (log q + H)) (+ g_logp at the target)
+                q = torch.exp(logq, out=bufs.second[: e - s])
                 gh = grad_entropy[s:e, None].to(cd)
                 scale = logq.add_(entropy[s:e, None]).mul_(gh).add_(gl)
                 g = q.mul_(scale).neg_()
             else:
-                g = q.mul_(gl).neg_()
-            del logq
+                g = logq.exp_().mul_(gl).neg_()  # -q * g_logp (+ g_logp at the target)
             g.scatter_add_(-1, targets[s:e, None], gl)
-            grad.index_add_(0, rows[s:e], g.to(logits.dtype))
-            del g, q
+            if bufs.raw is not None:
+                g = bufs.raw[: e - s].copy_(g)  # back to the logits' dtype, no new buffer
+            grad.index_add_(0, rows[s:e], g)
         return grad.view(b, t, v), None, None, None, None
-
-
-def _rows(logits: Tensor, flat: Tensor | None, rows: Tensor, t: int) -> Tensor:
-    """Copy of the selected ``[c, V]`` rows (no full-size copy for non-contiguous logits)."""
-    if flat is not None:
-        return flat.index_select(0, rows)
-    return logits[rows // t, rows % t]
 
 
 def gathered_log_probs(
