@@ -132,8 +132,8 @@ def assert_close_to_reference(out, ref, dtype):
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=rtol * scale)
 
 
-GAMMA_LAM = [(0.0, 0.0), (0.0, 0.95), (0.5, 0.5), (0.95, 1.0), (1.0, 0.95), (1.0, 1.0), (0.99, 0.95)]
-SHAPES = [(1, 1), (3, 17), (4, 1024)]
+FACTORS = [0.0, 0.5, 0.95, 1.0]
+GAMMA_LAM_LONG = [(0.0, 0.0), (0.5, 0.5), (1.0, 0.95), (0.95, 1.0), (1.0, 1.0), (0.99, 0.95)]
 
 
 # --------------------------------------------------------------------------- #
@@ -141,11 +141,7 @@ SHAPES = [(1, 1), (3, 17), (4, 1024)]
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("gamma,lam", GAMMA_LAM)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lam, dtype, use_bootstrap, device):
+def check_grid_case(shape, gamma, lam, dtype, use_bootstrap, device):
     gen = torch.Generator().manual_seed(hash((shape, gamma, lam)) % 2**31)
     for kind in MASK_KINDS:
         r, v, m, boot = make_inputs(*shape, dtype, kind, gen, device)
@@ -156,6 +152,23 @@ def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lam, dtype, u
         assert torch.isfinite(out).all(), kind
         assert (out[~m] == 0).all(), f"{kind}: masked positions must be exactly 0"
         assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("lam", FACTORS)
+@pytest.mark.parametrize("gamma", FACTORS)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17)], ids=lambda s: "x".join(map(str, s)))
+def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lam, dtype, use_bootstrap, device):
+    check_grid_case(shape, gamma, lam, dtype, use_bootstrap, device)
+
+
+@pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("gamma,lam", GAMMA_LAM_LONG)
+def test_torch_gae_matches_naive_reference_on_1024_token_rows(gamma, lam, dtype, use_bootstrap, device):
+    # 16 blocks of 64: the second level of the blocked sum is exercised
+    check_grid_case((4, 1024), gamma, lam, dtype, use_bootstrap, device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
