@@ -21,13 +21,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase, TensorDictParams
 from tensordict.nn import TensorDictModule, dispatch
 from tensordict.utils import NestedKey
-from torch import Tensor
 from torchrl.objectives import LossModule
 from torchrl.objectives.utils import ValueEstimators, dispatch_value_estimator
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ppo_objectives import functional as F
-from ppo_objectives.value import MaskedGAE, _time_last
+from ppo_objectives.value import MaskedGAE, _mask_or_all, _step_shape, _time_last
 
 __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
 
@@ -439,8 +438,7 @@ class TokenPPOLoss(LossModule):
                 f"TokenPPOLoss: the sampling log-probs {k.sample_log_prob!r} are missing; store the policy's "
                 "per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
             )
-        trailing_one = old_logp.ndim == td.batch_dims + 1 and old_logp.shape[-1] == 1
-        shape = old_logp.shape[:-1] if trailing_one else old_logp.shape
+        shape, _ = _step_shape(old_logp, td.batch_dims)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
         def get(key, what, required=True):
@@ -453,11 +451,7 @@ class TokenPPOLoss(LossModule):
 
         old_logp = get(k.sample_log_prob, "sample_log_prob")
         advantage = get(k.advantage, "advantage")
-        mask = td.get(k.mask, None)
-        if mask is None:
-            mask = torch.ones(shape, dtype=torch.bool, device=old_logp.device)
-        else:
-            mask = F._check_mask(_time_last(mask, f"mask {k.mask!r}", shape, ref), shape, ref)
+        mask = _mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device)
         ref_logp = get(k.ref_log_prob, "reference log-probs (needed because kl_coeff > 0)", self._requires_ref)
         if self._has_critic:
             returns = get(k.value_target, "value target")

@@ -25,14 +25,11 @@ from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Compose, Transform
 
 from ppo_objectives import functional as F
+from ppo_objectives.value import _mask_or_all, _next, _step_shape, _time_last
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 
 _NESTED_PROTOTYPE_WARNING = "The PyTorch API of nested tensors is in prototype stage"
-
-
-def _next(key: NestedKey) -> tuple[str, ...]:
-    return ("next", *key) if isinstance(key, tuple) else ("next", key)
 
 
 def _as_tensor(x: Tensor | float, like: Tensor) -> Tensor:
@@ -319,23 +316,19 @@ class KLPenaltyTransform(Transform):
         A trailing singleton of ``logp`` is TorchRL's per-step layout ``[*batch, 1]`` when
         the other dims are the TensorDict's batch dims (``batch_dims``).
         """
-        trailing_one = logp.ndim >= 2 and logp.ndim == batch_dims + 1 and logp.shape[-1] == 1
+        shape, _ = _step_shape(logp, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
         if reward is not None and reward.shape == logp.shape + (1,):
-            trailing_one = False  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
-        shape = logp.shape[:-1] if trailing_one else logp.shape
+            shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
             raise ValueError(
                 f"KLPenaltyTransform: {self.log_prob_key!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]"
             )
-        logp = _time_last(logp, f"log-probs {self.log_prob_key!r}", shape)
-        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape)
+        ref_name = f"log-probs {self.log_prob_key!r}"
+        logp = _time_last(logp, ref_name, shape, ref_name)
+        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, ref_name)
         F._check_float("sample_log_prob", logp)
         F._check_float("ref_log_prob", ref)
-        m = (
-            torch.ones(shape, dtype=torch.bool, device=logp.device)
-            if mask is None
-            else F._check_mask(_time_last(mask, f"mask {self.mask_key!r}", shape), shape, "sample_log_prob")
-        )
+        m = _mask_or_all(mask, f"mask {self.mask_key!r}", shape, ref_name, logp.device)
         kl = self._kl(logp, ref, m)
         if reward is None:
             return kl, ref, m, None
@@ -343,7 +336,7 @@ class KLPenaltyTransform(Transform):
         coeff = self.coeff.to(device=kl.device, dtype=kl.dtype)
         zero = torch.zeros((), dtype=reward.dtype, device=reward.device)
         if reward.shape in (shape, shape + (1,)):
-            dense = _time_last(reward, "reward", shape)
+            dense = _time_last(reward, "reward", shape, ref_name)
             new = torch.where(m, dense - coeff * kl, zero)
             return kl, ref, m, new.reshape(reward.shape)
         if reward.shape in (shape[:-1], shape[:-1] + (1,)):
@@ -491,14 +484,10 @@ class KLPenaltyTransform(Transform):
             )
         ref = self._ref_log_prob(tensordict.exclude(self.ref_log_prob_key))
         shape = next_tensordict.batch_size
-        logp = _time_last(logp, f"log-probs {self.log_prob_key!r}", shape)
-        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape)
-        mask = tensordict.get(self.mask_key, None)
-        m = (
-            torch.ones(shape, dtype=torch.bool, device=logp.device)
-            if mask is None
-            else F._check_mask(_time_last(mask, f"mask {self.mask_key!r}", shape), shape, "sample_log_prob")
-        )
+        ref_name = f"log-probs {self.log_prob_key!r}"
+        logp = _time_last(logp, ref_name, shape, "the env's batch")
+        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, "the env's batch")
+        m = _mask_or_all(tensordict.get(self.mask_key, None), f"mask {self.mask_key!r}", shape, "the env's batch", logp.device)
         kl = self._kl(logp, ref, m)
         if self.add_to_reward:
             reward = next_tensordict.get(self.reward_key)
@@ -534,15 +523,3 @@ class KLPenaltyTransform(Transform):
             f"{type(self).__name__}(estimator={self.estimator!r}, add_to_reward={self.add_to_reward}, "
             f"controller={type(self.kl_controller).__name__}, kl_key={self.kl_key!r})"
         )
-
-
-def _time_last(x: Tensor, name: str, shape: torch.Size) -> Tensor:
-    if x.shape == shape:
-        return x
-    if x.shape == shape + (1,):
-        return x.squeeze(-1)
-    raise ValueError(
-        f"KLPenaltyTransform: {name} has shape {tuple(x.shape)}, expected {tuple(shape)} or {tuple(shape + (1,))}; "
-        "broadcasting it would mix the entries of different tokens or sequences"
-    )
-

@@ -48,6 +48,23 @@ def _time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor
     )
 
 
+def _step_shape(x: Tensor, batch_dims: int) -> tuple[torch.Size, bool]:
+    """``[*B, T]`` of a per-step entry, and whether ``x`` carries TorchRL's trailing ``1``.
+
+    The trailing singleton is TorchRL's per-step layout when the other dims are the
+    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
+    """
+    trailing_one = x.ndim == batch_dims + 1 and x.shape[-1] == 1
+    return (x.shape[:-1] if trailing_one else x.shape), trailing_one
+
+
+def _mask_or_all(mask: Tensor | None, name: str, shape: torch.Size, ref_name: str, device) -> Tensor:
+    """The bool ``[*B, T]`` mask (validated by the functional core), or all True when absent."""
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return F._check_mask(_time_last(mask, name, shape, ref_name), shape, ref_name)
+
+
 def _segmented_masked_gae(
     rewards: Tensor,
     values: Tensor,
@@ -360,16 +377,11 @@ class MaskedGAE(ValueEstimatorBase):
                 f"MaskedGAE: the value {keys.value!r} is missing and no value_network was given; "
                 "store the critic's values at rollout time or pass value_network="
             )
-        trailing_one = value.ndim == tensordict.batch_dims + 1 and value.shape[-1] == 1
-        shape = value.shape[:-1] if trailing_one else value.shape
-        v = value
-        r = _time_last(reward, f"reward {('next', keys.reward)!r}", shape, f"value {keys.value!r}")
-        v = _time_last(v, f"value {keys.value!r}", shape, f"value {keys.value!r}")
-        mask = tensordict.get(keys.mask, None)
-        if mask is None:
-            m = torch.ones(shape, dtype=torch.bool, device=v.device)
-        else:
-            m = F._check_mask(_time_last(mask, f"mask {keys.mask!r}", shape, f"value {keys.value!r}"), shape, "value")
+        shape, trailing_one = _step_shape(value, tensordict.batch_dims)
+        ref = f"value {keys.value!r}"
+        r = _time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
+        v = _time_last(value, ref, shape, ref)
+        m = _mask_or_all(tensordict.get(keys.mask, None), f"mask {keys.mask!r}", shape, ref, v.device)
 
         done = tensordict.get(_next(keys.done), None)
         terminated = tensordict.get(_next(keys.terminated), None)

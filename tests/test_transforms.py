@@ -435,7 +435,7 @@ def test_error_reward_of_unrelated_shape():
 
 def test_error_reference_of_other_shape():
     td = TensorDict({"sample_log_prob": torch.zeros(2, 3), "ref_log_prob": torch.zeros(2, 4), ("next", "reward"): torch.zeros(2, 3)}, [2])
-    with pytest.raises(ValueError, match=r"reference log-probs 'ref_log_prob' has shape \(2, 4\), expected \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"reference log-probs 'ref_log_prob' has shape \(2, 4\) but log-probs 'sample_log_prob' has shape \(2, 3\)"):
         KLPenaltyTransform()(td)
 
 
