@@ -222,6 +222,17 @@ def test_key_renames_are_forwarded_to_the_value_estimator():
     assert (keys.mask, keys.reward, keys.advantage) == ("valid", "score", "adv")
 
 
+def test_half_precision_rollout_entries_are_computed_in_float32():
+    actor, critic = make_nets()
+    td = make_batch(actor, critic)
+    half = td.apply(lambda x: x.to(torch.bfloat16) if x.is_floating_point() else x)
+    out = TokenPPOLoss(actor, critic)(half)
+    ref = TokenPPOLoss(actor, critic)(half.apply(lambda x: x.float() if x.is_floating_point() else x))
+    for key in ref.keys():
+        assert out[key].dtype == torch.float32, key
+        torch.testing.assert_close(out[key], ref[key], msg=key)
+
+
 # --------------------------------------------------------------------------- masked diagnostics
 
 

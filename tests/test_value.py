@@ -177,6 +177,36 @@ def test_collector_layout_with_mask_equals_naive_loop(seed):
     torch.testing.assert_close(out["value_target"], ret)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 3), t=st.integers(1, 9), seed=st.integers(0, 10_000),
+    gamma=st.floats(0.0, 1.0), lmbda=st.floats(0.0, 1.0), p_done=st.floats(0.0, 0.6), p_mask=st.floats(0.0, 1.0),
+)  # fmt: skip
+def test_collector_layout_property_equals_naive_loop(n, t, seed, gamma, lmbda, p_done, p_mask):
+    td = collector_batch(N=n, T=t, seed=seed, p_done=p_done, trailing=False).to(torch.float64)
+    mask = torch.rand(n, t, generator=torch.Generator().manual_seed(seed)) < p_mask
+    td["mask"] = mask
+    out = MaskedGAE(gamma, lmbda)(td.clone())
+    adv, ret = naive_collector_gae(
+        td["next", "reward"].tolist(), td["state_value"].tolist(), td["next", "state_value"].tolist(), mask.tolist(),
+        td["next", "done"].tolist(), td["next", "terminated"].tolist(), gamma, lmbda,
+    )  # fmt: skip
+    torch.testing.assert_close(out["advantage"], adv.double())
+    torch.testing.assert_close(out["value_target"], ret.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("collector", [False, True])
+def test_low_and_high_precision_inputs_keep_their_dtype(dtype, collector):
+    td = collector_batch(seed=2) if collector else llm_batch(seed=2)
+    low = td.apply(lambda x: x.to(dtype) if x.is_floating_point() else x)
+    out = MaskedGAE(0.99, 0.95, average_gae=True)(low.clone())
+    ref = MaskedGAE(0.99, 0.95, average_gae=True)(low.apply(lambda x: x.double() if x.is_floating_point() else x))
+    assert out["advantage"].dtype == dtype and out["value_target"].dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 2e-2  # computed in float32, rounded once at the end
+    torch.testing.assert_close(out["advantage"].double(), ref["advantage"], rtol=tol, atol=tol)
+
+
 def test_segmented_helper_equals_functional_on_one_trajectory_per_row():
     # One trajectory per row, truncated (bootstrapped) or terminated at its last valid token.
     td = llm_batch(B=5, R=6, seed=4)
