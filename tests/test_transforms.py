@@ -455,3 +455,29 @@ def test_error_env_without_reference_model():
     env = TransformedEnv(TokenEnv(), KLPenaltyTransform())
     with pytest.raises(KeyError, match="inside an env .* pass ref_model="):
         env.rollout(2, policy())
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: KLPenaltyTransform(clamp=0.0), "clamp=0.0 must be a finite number > 0"),
+        (lambda: AdaptiveKLController(0.1, horizon=0), r"horizon=0.0 must be a finite number > 0.0 \(samples over which"),
+        (lambda: AdaptiveKLController(0.1, clip=-0.2), "clip=-0.2 must be a finite number > 0"),
+    ],
+)
+def test_error_bad_transform_and_controller_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_error_ragged_batch_without_log_probs():
+    subs = [s.exclude("sample_log_prob") for s in _ragged()]
+    with pytest.raises(KeyError, match="sampling log-probs 'sample_log_prob' are missing"):
+        KLPenaltyTransform()(LazyStackedTensorDict.lazy_stack(subs))
+
+
+def test_error_mask_with_values_other_than_0_and_1():
+    td = llm_batch()
+    td["mask"] = td["mask"].float() * 3
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        KLPenaltyTransform()(td)
