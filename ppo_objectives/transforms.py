@@ -355,11 +355,14 @@ class KLPenaltyTransform(Transform):
             "broadcasting it would mix tokens of different sequences"
         )
 
-    def _record(self, kl: Tensor, m: Tensor) -> None:
+    def _record(self, kls: list[Tensor], masks: list[Tensor]) -> None:
+        """Observed KL of what was just penalised (detached): masked token mean, mean per-response sum."""
         with torch.no_grad():
-            self.last_kl = F.masked_mean(kl.detach().float(), m).to(self.last_kl.device)
-            rows = kl.detach().float().reshape(-1, kl.shape[-1]).sum(-1)
-            self.last_seq_kl = rows.mean().to(self.last_seq_kl.device) if rows.numel() else self.last_seq_kl * 0
+            flat_kl = torch.cat([k.reshape(-1) for k in kls]).float()
+            flat_m = torch.cat([m.reshape(-1) for m in masks])
+            seq = torch.cat([k.sum(-1).reshape(-1) for k in kls]).float()
+            self.last_kl = F.masked_mean(flat_kl, flat_m).to(self.last_kl.device)
+            self.last_seq_kl = (seq.mean() if seq.numel() else seq.new_zeros(())).to(self.last_seq_kl.device)
 
     # ------------------------------------------------------------------ offline path
 
@@ -378,7 +381,7 @@ class KLPenaltyTransform(Transform):
         kl, ref, m, new_reward = self._penalize(
             logp, ref, tensordict.get(self.mask_key, None), reward, tensordict.batch_dims
         )
-        self._record(kl, m)
+        self._record([kl], [m])
         tensordict.set(self.kl_key, kl)
         tensordict.set(self.ref_log_prob_key, ref.reshape(logp.shape))
         if new_reward is not None:
@@ -409,44 +412,29 @@ class KLPenaltyTransform(Transform):
             sub.set(self.ref_log_prob_key, ref.reshape(logp.shape))
             if new_reward is not None:
                 sub.set(_next(self.reward_key), new_reward)
-            kls.append(kl.reshape(-1, kl.shape[-1]).sum(-1))
-            masks.append((kl.reshape(-1), m.reshape(-1)))
-        with torch.no_grad():
-            flat_kl = torch.cat([k for k, _ in masks]).float()
-            flat_m = torch.cat([mm for _, mm in masks])
-            self.last_kl = F.masked_mean(flat_kl, flat_m).to(self.last_kl.device)
-            self.last_seq_kl = torch.cat(kls).float().mean().to(self.last_seq_kl.device)
+            kls.append(kl)
+            masks.append(m)
+        self._record(kls, masks)
         return tensordict
 
     def _apply_nested(self, tensordict: TensorDictBase, logp: Tensor) -> TensorDictBase:
-        def rows(key, x=None):
-            x = tensordict.get(key, None) if x is None else x
-            if x is None:
-                return None
-            return list(x.unbind(0))
+        def rows(x):
+            return None if x is None else list(x.unbind(0))
 
-        logps = rows(self.log_prob_key, logp)
-        refs = rows(self.ref_log_prob_key, self._ref_log_prob(tensordict))
-        masks = rows(self.mask_key) or [None] * len(logps)
-        rewards = rows(_next(self.reward_key), self._get_reward(tensordict)) if self.add_to_reward else None
-        out_kl, out_ref, out_rew, seq, flat = [], [], [], [], []
-        for i, lp in enumerate(logps):
-            kl, ref, m, new_reward = self._penalize(lp, refs[i], masks[i], None if rewards is None else rewards[i], 1)
-            out_kl.append(kl)
-            out_ref.append(ref)
-            out_rew.append(new_reward)
-            seq.append(kl.sum().reshape(1))
-            flat.append((kl, m))
+        logps = rows(logp)
+        refs = rows(self._ref_log_prob(tensordict))
+        masks = rows(tensordict.get(self.mask_key, None)) or [None] * len(logps)
+        rewards = rows(self._get_reward(tensordict)) or [None] * len(logps)
+        out = [self._penalize(lp, refs[i], masks[i], rewards[i], 1) for i, lp in enumerate(logps)]
+        kls, out_ref, out_m, out_rew = (list(x) for x in zip(*out))
+        self._record(kls, out_m)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NESTED_PROTOTYPE_WARNING)
             nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.strided)  # noqa: E731
-            tensordict.set(self.kl_key, nest(out_kl))
+            tensordict.set(self.kl_key, nest(kls))
             tensordict.set(self.ref_log_prob_key, nest(out_ref))
-            if rewards is not None:
+            if self.add_to_reward:
                 tensordict.set(_next(self.reward_key), nest(out_rew))
-        with torch.no_grad():
-            self.last_kl = F.masked_mean(torch.cat([k for k, _ in flat]).float(), torch.cat([m for _, m in flat]))
-            self.last_seq_kl = torch.cat(seq).float().mean()
         return tensordict
 
     @dispatch(source="in_keys", dest="out_keys")

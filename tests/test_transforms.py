@@ -270,10 +270,14 @@ def test_nested_tensor_batch_is_penalised_per_response():
             },
             [3],
         )
-    out = KLPenaltyTransform(coeff=0.1)(td)
+    t = KLPenaltyTransform(coeff=0.1)
+    out = t(td)
+    sums = []
     for i, s in enumerate(subs):
         e = KLPenaltyTransform(coeff=0.1)(s.clone().unsqueeze(0))
         torch.testing.assert_close(out["next", "reward"].unbind(0)[i], e["next", "reward"][0])
+        sums.append(e["kl_penalty"].sum())
+    torch.testing.assert_close(t.last_seq_kl, torch.stack(sums).mean())
 
 
 # --------------------------------------------------------------------------- replay buffer, collector, env
