@@ -285,7 +285,6 @@ class MaskedGAE(ValueEstimatorBase):
             F._check_unit_interval(name, x)
             self.register_buffer(name, torch.as_tensor(x, dtype=torch.float32, device=self._device).clone())
         self.average_gae = bool(average_gae)
-        self._params = self._next_params = None
 
     @property
     def in_keys(self):
@@ -306,12 +305,11 @@ class MaskedGAE(ValueEstimatorBase):
     def out_keys(self):
         return [self.tensor_keys.advantage, self.tensor_keys.value_target]
 
-    def _values(self, tensordict: TensorDictBase, key: NestedKey, *, next_step: bool) -> Tensor | None:
+    def _values(self, tensordict: TensorDictBase, key: NestedKey, params, *, next_step: bool) -> Tensor | None:
         """The value entry, computed by ``value_network`` when missing (bootstrap values without gradient)."""
         value = tensordict.get(key, None)
         if value is not None or self.value_network is None:
             return value
-        params = self._next_params if next_step else self._params
         ctx = (
             params.to_module(self.value_network, preserve_module_state=False)
             if params is not None
@@ -339,24 +337,23 @@ class MaskedGAE(ValueEstimatorBase):
         """
         # Functional parameters (as TorchRL's PPO losses pass them) are used only if the
         # value network has to run; precomputed values are read as they are.
-        self._params = None if params is None else params.detach()
-        self._next_params = self._params if target_params is None else target_params
-        try:
-            with torch.set_grad_enabled(self.differentiable):
-                adv, target = self._estimate(tensordict)
-        finally:
-            self._params = self._next_params = None
+        params = None if params is None else params.detach()
+        next_params = params if target_params is None else target_params
+        with torch.set_grad_enabled(self.differentiable):
+            adv, target = self._estimate(tensordict, params, next_params)
         tensordict.set(self.tensor_keys.advantage, adv)
         tensordict.set(self.tensor_keys.value_target, target)
         return tensordict
 
     def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
         """The value target (raw advantage + value) of :meth:`forward`, without writing anything."""
-        self._params = self._next_params = None
+        tensordict = tensordict.copy()
+        if next_value is not None:  # given explicitly: the bootstrap values of the collector layout
+            tensordict.set(_next(self.tensor_keys.value), next_value)
         with torch.set_grad_enabled(self.differentiable):
-            return self._estimate(tensordict.copy())[1]
+            return self._estimate(tensordict, None, target_params)[1]
 
-    def _estimate(self, tensordict: TensorDictBase) -> tuple[Tensor, Tensor]:
+    def _estimate(self, tensordict: TensorDictBase, params, next_params) -> tuple[Tensor, Tensor]:
         keys = self.tensor_keys
         if tensordict.batch_dims < 1:
             raise ValueError(
@@ -371,7 +368,7 @@ class MaskedGAE(ValueEstimatorBase):
         reward = tensordict.get(("next", keys.reward), None)
         if reward is None:
             raise KeyError(f"MaskedGAE: the reward {('next', keys.reward)!r} is missing from the TensorDict")
-        value = self._values(tensordict, keys.value, next_step=False)
+        value = self._values(tensordict, keys.value, params, next_step=False)
         if value is None:
             raise KeyError(
                 f"MaskedGAE: the value {keys.value!r} is missing and no value_network was given; "
@@ -390,12 +387,12 @@ class MaskedGAE(ValueEstimatorBase):
             # LLM layout: one response per row, terminal after the last valid token.
             adv, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae)
         else:
-            adv, target = self._collector_gae(tensordict, r, v, m, shape, done, terminated, truncated)
+            adv, target = self._collector_gae(tensordict, next_params, r, v, m, shape, done, terminated, truncated)
         if trailing_one:
             adv, target = adv.unsqueeze(-1), target.unsqueeze(-1)
         return adv, target
 
-    def _collector_gae(self, tensordict, r, v, m, shape, done, terminated, truncated):
+    def _collector_gae(self, tensordict, next_params, r, v, m, shape, done, terminated, truncated):
         keys = self.tensor_keys
 
         def flag(x, key):
@@ -411,7 +408,7 @@ class MaskedGAE(ValueEstimatorBase):
             )
         if terminated is None:
             terminated = done & ~truncated if truncated is not None else done
-        next_value = self._values(tensordict, _next(keys.value), next_step=True)
+        next_value = self._values(tensordict, _next(keys.value), next_params, next_step=True)
         if next_value is None:
             raise KeyError(
                 f"MaskedGAE: done flags are present (collector layout) but {_next(keys.value)!r} is missing "

@@ -369,6 +369,13 @@ def test_value_estimate_returns_targets_without_writing():
     torch.testing.assert_close(target, MaskedGAE(1.0, 0.9)(td.clone())["value_target"])
 
 
+def test_value_estimate_uses_an_explicit_next_value():
+    td = collector_batch(seed=7)
+    next_value = td["next", "state_value"]
+    target = MaskedGAE(0.9, 0.9).value_estimate(td.exclude(("next", "state_value")), next_value=next_value)
+    torch.testing.assert_close(target, MaskedGAE(0.9, 0.9)(td)["value_target"])
+
+
 def test_only_output_keys_are_added():
     td = llm_batch()
     before = {k: v.clone() for k, v in td.items(True, True)}
