@@ -530,6 +530,27 @@ refuse("clipped_value_loss-returns-on-other-device", "device", lambda: F.clipped
 refuse("clipped_value_loss-cliprange-negative", "hyper", lambda: F.clipped_value_loss(VAL, VAL, RET, MASK, -0.2),
        ValueError, r"cliprange_value=-0\.2 must be a finite number > 0")
 
+# ---- more devices and the readable GAE loop ---------------------------------
+refuse("explained_variance-returns-on-other-device", "device", lambda: F.explained_variance(VAL, meta_like(RET), MASK),
+       ValueError, r"one device.*returns on meta")
+refuse("approx_kl-mask-on-other-device", "device", lambda: F.approx_kl(NEW, OLD, meta_like(MASK)),
+       ValueError, r"one device.*mask on meta")
+refuse("reference_kl_penalty-ref-on-other-device", "device", lambda: F.reference_kl_penalty(NEW, meta_like(OLD), MASK),
+       ValueError, r"one device.*ref_logps on meta")
+refuse("loss_normalizer-mask-2", "mask-values", lambda: F.loss_normalizer(MASK.long() * 2),
+       ValueError, r"mask must hold only 0 and 1")
+refuse("masked_gae_reference-mask-shape", "shape", lambda: F.masked_gae_reference(REW, VAL, MASK[:1], 1.0, 0.95),
+       ValueError, r"mask has shape \(1, 4\) but token_rewards has shape \(2, 4\)")
+refuse("masked_gae_reference-lam-2", "hyper", lambda: F.masked_gae_reference(REW, VAL, MASK, 1.0, 2.0),
+       ValueError, r"lam=2\.0 is outside \[0, 1\]")
+accept("masked_gae_reference-nan-inf-at-masked-whitened", "masked-garbage",
+       lambda: F.masked_gae_reference(REW, VAL, MASK, 0.99, 0.9),
+       lambda out: (close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 0.99, 0.9)[0], MASK)),
+                    close(out[1], naive_gae(REW, VAL, MASK, 0.99, 0.9)[1])))
+accept("masked_gae_reference-empty-mask", "mask-empty",
+       lambda: F.masked_gae_reference(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95),
+       lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
+
 
 # =========================================================================== #
 # value.py: MaskedGAE
@@ -688,6 +709,8 @@ refuse("TokenPPOLoss-entropy-coeff-without-entropy-output", "missing-key",
        KeyError, r"entropy_coeff is set but the actor network did not write 'entropy'")
 refuse("TokenPPOLoss-per-sequence-advantage", "shape", lambda: ppo_loss()(ppo_td(batch=(2,), advantage=ADV[:, 0])),
        ValueError, r"advantage 'advantage' has shape \(2,\).*Broadcasting it would mix")
+refuse("TokenPPOLoss-int-sample-log-prob", "dtype", lambda: ppo_loss()(ppo_td(sample_log_prob=torch.zeros(2, 4, dtype=torch.long))),
+       TypeError, r"old_logps must be a floating-point tensor")
 refuse("TokenPPOLoss-mask-0.5", "mask-values", lambda: ppo_loss()(ppo_td(mask=torch.full((2, 4), 0.5))),
        ValueError, r"mask must hold only 0 and 1")
 accept("TokenPPOLoss-nan-inf-at-masked", "masked-garbage",
@@ -768,6 +791,31 @@ accept("KLPenaltyTransform-empty-batch", "empty-batch",
            batch=(0,), sample_log_prob=torch.empty(0, 4), ref_log_prob=torch.empty(0, 4),
            mask=torch.empty(0, 4, dtype=torch.bool), next__reward=torch.empty(0, 4))),
        lambda out: (_assert_shape(out[0]["kl_penalty"], (0, 4)), exactly_zero(out[1])))
+
+
+accept("KLPenaltyTransform-sequence-score-of-a-response-without-eos", "no-eos",
+       # row 0 ran to the budget (every token valid, no EOS): its score lands on its last token
+       lambda: KLPenaltyTransform(coeff=0.0)(kl_td(batch=(2,), next__reward=torch.tensor([1.0, 3.0]),
+                                                   mask=torch.tensor([[True] * 4, [True, True, False, False]]),
+                                                   sample_log_prob=torch.zeros(2, 4), ref_log_prob=torch.zeros(2, 4))),
+       lambda td: close(td["next", "reward"], [[0.0, 0.0, 0.0, 1.0], [0.0, 3.0, 0.0, 0.0]]))
+
+
+def _kl_env_step(ref_model=None, log_prob=True):
+    from torchrl.envs import TransformedEnv
+
+    env = TransformedEnv(TokenLMEnv.from_task(TASK, num_envs=1, seed=0), KLPenaltyTransform(ref_model))
+    td = env.reset()
+    td["action"] = torch.tensor([3])
+    if log_prob:
+        td["sample_log_prob"] = torch.tensor([-1.0])
+    return env.step(td)
+
+
+refuse("KLPenaltyTransform-in-env-without-ref-model", "missing-key", lambda: _kl_env_step(),
+       KeyError, r"inside an env the reference log-prob.*pass ref_model=")
+refuse("KLPenaltyTransform-in-env-policy-without-log-prob", "missing-key", lambda: _kl_env_step(log_prob=False),
+       KeyError, r"the policy must write 'sample_log_prob'.*return_log_prob=True.*set_missing_tolerance")
 
 
 def _kl_and_last(transform, td):
@@ -1138,6 +1186,19 @@ refuse("CausalLMCritic-model-without-hidden-states", "dtype", lambda: _critic(hi
 accept("CausalLMCritic-empty-mask-values-zero", "mask-empty",
        lambda: _critic().values(ROW_TOKENS, mask=torch.zeros(2, 4, dtype=torch.bool)),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
+refuse("CausalLMCritic-mask-on-other-device", "device", lambda: _critic().values(ROW_TOKENS, mask=meta_like(ROW_MASK)),
+       ValueError, r"one device.*meta")
+
+
+def _hf_critic_values():
+    adapter = _hf_adapter()
+    critic = CausalLMCritic(adapter.hf_model)  # hidden_size read from the Llama config
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    return critic.values(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.ones(2, 4, dtype=torch.bool), mask)
+
+
+accept("CausalLMCritic-hf-llama-empty-mask-values-zero", "mask-empty", _hf_critic_values,
+       lambda out: (exactly_zero(out[0].detach()), exactly_zero(out[1].detach())))
 refuse("CausalLMTokenLogProbs-float-tokens", "dtype", lambda: CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS.float()),
        TypeError, r"CausalLMTokenLogProbs: tokens must hold integer token ids")
 refuse("CausalLMTokenLogProbs-attention-mask-0.5", "mask-values",
@@ -1168,21 +1229,28 @@ def _train(**overrides):
         return T.train(cfg)
 
 
-def _ppo_update_on_empty_batch():
+def _llm_batch(B, P=4, R=4, drop=()):
+    llm = TensorDict({"input_ids": torch.ones(B, P + R, dtype=torch.long), "attention_mask": torch.ones(B, P + R, dtype=torch.bool),
+                      "mask": torch.ones(B, R, dtype=torch.bool),
+                      **{k: torch.zeros(B, R) for k in ("sample_log_prob", "advantage", "value_target", "state_value")}},
+                     batch_size=[B])
+    return llm.exclude(*drop)
+
+
+def _ppo_update_on(llm, P=4, R=4):
     from ppo_objectives import train as T
 
     torch.manual_seed(0)
-    P, R = 4, 4
     ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=P + R), P)
     loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
     opts = (torch.optim.AdamW(ac.actor_parameters()), torch.optim.AdamW(ac.critic_parameters()))
-    llm = TensorDict({"input_ids": torch.empty(0, P + R, dtype=torch.long), "attention_mask": torch.empty(0, P + R, dtype=torch.bool),
-                      "mask": torch.empty(0, R, dtype=torch.bool),
-                      **{k: torch.empty(0, R) for k in ("sample_log_prob", "advantage", "value_target", "state_value")}},
-                     batch_size=[0])
     before = [p.detach().clone() for p in ac.actor_parameters()]
     stats = T.ppo_update(llm, loss, ac, opts, T.TrainConfig(), torch.Generator().manual_seed(0))
     return stats, before, ac
+
+
+def _ppo_update_on_empty_batch():
+    return _ppo_update_on(_llm_batch(B=0))
 
 
 def _check_no_update(out):
@@ -1199,6 +1267,9 @@ refuse("train-zero-envs", "hyper", lambda: _train(num_envs=0), ValueError, r"num
 refuse("train-zero-minibatches", "hyper", lambda: _train(minibatches=0), ValueError, r"minibatches=0")
 refuse("train-cli-unknown-preset", "hyper", lambda: _cli(["--preset", "giga"]), SystemExit, r"^2$")
 accept("ppo_update-empty-batch-takes-no-step", "empty-batch", _ppo_update_on_empty_batch, _check_no_update)
+refuse("ppo_update-batch-without-sampling-log-probs", "missing-key", lambda: _ppo_update_on(_llm_batch(B=2, drop=["sample_log_prob"])),
+       KeyError, r"sampling log-probs 'sample_log_prob' are missing")
+
 
 
 def _cli(argv):
