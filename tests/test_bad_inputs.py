@@ -897,7 +897,7 @@ def _rollout(steps, token=TASK.encode("5")[0]):
 
 
 def _truncated_llm_batch():
-    ro, env = _rollout(env_steps := 4)
+    ro, env = _rollout(4)
     return trajectories_to_llm_batch(ro, env.prompt_len, env.max_new_tokens), ro, env
 
 
