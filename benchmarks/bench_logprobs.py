@@ -32,10 +32,13 @@ import argparse
 import datetime
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
 from ppo_objectives.functional import response_log_probs
 
 GOAL_MEMORY = 0.25  # peak extra / logits bytes
