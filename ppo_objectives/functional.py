@@ -526,6 +526,13 @@ def response_log_probs(
             f"shorten response_len"
         )
     targets = input_ids.gather(1, positions + 1)
+    V = logits.shape[-1]
+    if _checking_values() and targets.numel() > 0 and bool(((targets < 0) | (targets >= V)).any()):
+        bad = targets[(targets < 0) | (targets >= V)].flatten()[:3].tolist()
+        raise ValueError(
+            f"input_ids holds response token ids outside the vocabulary [0, V={V}) of the logits, "
+            f"such as {bad}; check the tokenizer / model pairing or the padding id"
+        )
     from ppo_objectives._logprobs import gathered_log_probs
 
     logp, entropy = gathered_log_probs(
@@ -807,6 +814,7 @@ def aggregate_loss(
         if normalizer.numel() != 1 or not normalizer.is_floating_point():
             raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
         _check_same_device(per_token=per_token, normalizer=normalizer)
+        _check_positive("normalizer", normalizer)
         normalizer = normalizer.reshape(())
     else:
         normalizer = _check_positive("normalizer", normalizer)
