@@ -345,6 +345,11 @@ class LLMToTokenBatch(Transform):
                 "LLMToTokenBatch needs a batch of turns, got a TensorDict with batch_size=[]; "
                 "stack single turns with tensordict.lazy_stack([...])"
             )
+        if tensordict.batch_size.numel() == 0:
+            raise ValueError(
+                f"LLMToTokenBatch got an empty batch (batch_size={list(tensordict.batch_size)}): it holds no turns "
+                f"to convert; skip empty collector batches before the conversion"
+            )
         if self.tokens_key not in tensordict.keys(True):
             raise KeyError(
                 f"LLMToTokenBatch: the turn tokens {_key_str(self.tokens_key)} are missing "
@@ -655,7 +660,12 @@ def bootstrap_from_next_turn(
         tensor([[0., 2., 5., 0.],
                 [0., 0., 6., 7.]])
     """
-    mask = tensordict.get(mask_key)
+    mask = tensordict.get(mask_key, None)
+    if mask is None:
+        raise KeyError(
+            f"bootstrap_from_next_turn: the response mask {_key_str(mask_key)} is missing; it is written by "
+            f"LLMToTokenBatch (set mask_key= if it lives elsewhere)"
+        )
     link = tensordict.get(link_key, None)
     if link is None:
         raise KeyError(
@@ -701,6 +711,7 @@ def _check_row_inputs(tokens: Tensor, attention_mask: Tensor | None, mask: Tenso
         )
     if tokens.is_floating_point() or tokens.dtype == torch.bool:
         raise TypeError(f"{who}: tokens must hold integer token ids, got dtype {tokens.dtype}")
+    F._check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
     if attention_mask is not None:
         attention_mask = F._check_mask(attention_mask, tokens.shape, "tokens")
     if mask is not None:
