@@ -151,19 +151,26 @@ class DigitTask:
         ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         return "".join(self.VOCAB[i] for i in ids)
 
-    def sample_prompts(self, k: int, generator: torch.Generator | None = None) -> list[Tensor]:
-        """``k`` random prompts (1-D int64 tensors, no padding)."""
+    def sample_prompts(self, k: int, generator: torch.Generator | None = None) -> Tensor:
+        """``k`` random prompts, ``[k, P]`` int64, left-padded with ``_`` when shorter than ``P``.
+
+        Example:
+            >>> task = DigitTask("reverse", 3, min_digits=1)
+            >>> [task.decode(p) for p in task.sample_prompts(3, torch.Generator().manual_seed(0))]
+            ['039<', '__7<', '316<']
+        """
         d = self.num_digits
         if self.op == "add":
             digits = torch.randint(10, (k, 2 * d), generator=generator) + 2
             plus = torch.full((k, 1), 12, dtype=torch.long)
             eq = torch.full((k, 1), 13, dtype=torch.long)
-            rows = torch.cat([digits[:, :d], plus, digits[:, d:], eq], 1)
-            return list(rows.unbind(0))
+            return torch.cat([digits[:, :d], plus, digits[:, d:], eq], 1)
         op_tok = 14 if self.op == "reverse" else 15
         lens = torch.randint(self.min_digits, d + 1, (k,), generator=generator)
         digits = torch.randint(10, (k, d), generator=generator) + 2
-        return [torch.cat([digits[i, : int(n)], torch.tensor([op_tok])]) for i, n in enumerate(lens)]
+        real = torch.arange(d)[None, :] >= (d - lens)[:, None]  # right-aligned digits
+        digits = torch.where(real, digits, self.PAD)
+        return torch.cat([digits, torch.full((k, 1), op_tok, dtype=torch.long)], 1)
 
     __call__ = sample_prompts  # a task is a prompt source: task(k, generator)
 
@@ -250,13 +257,18 @@ class _PromptStream:
             return [r[r.ne(self.pad_id).long().cummax(0).values.bool()] for r in t]
         raise ValueError(f"a prompt must be 1-D (or a 2-D batch), got shape {tuple(t.shape)}")
 
-    def take(self, k: int, generator: torch.Generator) -> list[Tensor]:
+    def take(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor]:
+        """``k`` prompts left-padded to ``width``: ``(ids [k, width], mask [k, width])`` on the CPU."""
         if self.kind == "sampler":
             out = self.source(k, generator)
+            if isinstance(out, Tensor) and out.dim() == 2:  # fast path: already a left-padded batch
+                if out.shape[0] != k:
+                    raise ValueError(f"the prompt sampler returned {out.shape[0]} prompts for k={k}")
+                return self._pad_batch(out.long(), width)
             rows = self._rows(out) if isinstance(out, Tensor) else [torch.as_tensor(r, dtype=torch.long) for r in out]
             if len(rows) != k:
                 raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
-            return rows
+            return self._pad_rows(rows, width)
         out: list[Tensor] = []
         while len(out) < k:
             if self._pending:
@@ -282,7 +294,42 @@ class _PromptStream:
                     except StopIteration:
                         raise ValueError("the prompt iterable yielded nothing; give a non-empty source") from None
                 self._pending.extend(self._rows(item))
-        return out
+        return self._pad_rows(out, width)
+
+    def _pad_batch(self, ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        mask = ids.ne(self.pad_id).long().cummax(1).values.bool()  # real from the first non-pad token on
+        n = mask.sum(1)
+        if ids.shape[1] > width:
+            too_long = (n > width).nonzero()
+            if too_long.numel():
+                i = int(too_long[0, 0])
+                self._too_long(i, int(n[i]), width)
+            ids, mask = ids[:, -width:], mask[:, -width:]
+        if bool((n == 0).any()):
+            self._too_long(int((n == 0).nonzero()[0, 0]), 0, width)
+        pad = width - ids.shape[1]
+        if pad:
+            ids = torch.cat([torch.full((ids.shape[0], pad), self.pad_id, dtype=torch.long), ids], 1)
+            mask = torch.cat([torch.zeros(ids.shape[0], pad, dtype=torch.bool), mask], 1)
+        return ids, mask
+
+    def _pad_rows(self, prompts: list[Tensor], width: int) -> tuple[Tensor, Tensor]:
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            n = p.numel()
+            if n == 0 or n > width:
+                self._too_long(i, n, width)
+            ids[i, width - n :] = p
+            mask[i, width - n :] = True
+        return ids, mask
+
+    @staticmethod
+    def _too_long(i: int, n: int, width: int):
+        raise ValueError(
+            f"prompt {i} has {n} tokens but the env's prompt_len is P={width}; every prompt needs 1..P "
+            f"tokens: raise prompt_len or shorten the prompts"
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -402,21 +449,6 @@ class TokenLMEnv(EnvBase):
     def _set_seed(self, seed: int | None) -> None:
         self._generator.manual_seed(int(seed) if seed is not None else torch.seed())
 
-    def _left_pad(self, prompts: list[Tensor]) -> tuple[Tensor, Tensor]:
-        P = self.prompt_len
-        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), P, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            n = p.numel()
-            if n == 0 or n > P:
-                raise ValueError(
-                    f"prompt {i} has {n} tokens but the env's prompt_len is P={P}; every prompt needs 1..P "
-                    f"tokens: raise prompt_len or shorten the prompts"
-                )
-            ids[i, P - n :] = p
-            mask[i, P - n :] = True
-        return ids.to(self.device), mask.to(self.device)
-
     def _reset(self, tensordict: TensorDictBase | None, **kwargs) -> TensorDictBase:
         N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
         reset = tensordict.get("_reset", None) if tensordict is not None else None
@@ -426,9 +458,9 @@ class TokenLMEnv(EnvBase):
             rows = torch.arange(N, device=self.device)
         else:
             rows = reset.reshape(N).nonzero().squeeze(-1)
-        ids, pmask = self._left_pad(self._prompts.take(rows.numel(), self._generator))
-        tokens[rows, :P] = ids
-        mask[rows, :P] = pmask
+        ids, pmask = self._prompts.take(rows.numel(), self._generator, P)
+        tokens[rows, :P] = ids.to(self.device)
+        mask[rows, :P] = pmask.to(self.device)
         false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
         return TensorDict(
             tokens=tokens,

@@ -452,8 +452,8 @@ def sample_with_kv_cache(
 # --------------------------------------------------------------------------- #
 
 
-def _param_version(module: nn.Module) -> int:
-    return sum(p._version for p in module.parameters())
+def _param_version(params: list[Tensor]) -> int:
+    return sum(p._version for p in params)
 
 
 class NextTokenLogits(nn.Module):
@@ -480,6 +480,10 @@ class NextTokenLogits(nn.Module):
         True
     """
 
+    #: Take the one-window path when its token count is at most this factor times the
+    #: prefill + step path's (two forwards cost more per token on small batches).
+    window_factor: float = 2.0
+
     def __init__(self, model: nn.Module, *, use_kv_cache: bool = True):
         super().__init__()
         self.model = model
@@ -492,10 +496,11 @@ class NextTokenLogits(nn.Module):
         self._cache_len: Tensor | None = None
         self._cache_tokens: Tensor | None = None
         self._cache_version = -1
+        self._params: list[Tensor] | None = None
 
     def __getstate__(self):  # never pickle the cache into collector workers
         state = self.__dict__.copy()
-        state.update(_cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1)
+        state.update(_cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _params=None)
         return state
 
     def forward(self, tokens: Tensor, attention_mask: Tensor, position: Tensor) -> Tensor:
@@ -515,7 +520,9 @@ class NextTokenLogits(nn.Module):
 
     def _cached(self, tokens, attention_mask, position):
         N, S = tokens.shape
-        version = _param_version(self.model)
+        if self._params is None:
+            self._params = list(self.model.parameters())
+        version = _param_version(self._params)
         cache = self._cache
         if (
             cache is None
@@ -527,18 +534,43 @@ class NextTokenLogits(nn.Module):
             cache = self._cache = self.model.new_cache(N, S, device=tokens.device)
             self._cache_len = torch.full((N,), -1, dtype=torch.long, device=tokens.device)
             self._cache_tokens = None
-            self._cache_version = version
+            self._params = list(self.model.parameters())  # re-read on every rebuild
+            self._cache_version = version = _param_version(self._params)
         last = position - 1  # [N] column of the newest token
         cols = torch.arange(S, device=tokens.device)
         stale = self._cache_len != last
         if self._cache_tokens is not None:
             stale |= ((tokens != self._cache_tokens) & (cols < self._cache_len[:, None])).any(-1)
         pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
-        if stale.any():  # host sync, on resets / new weights only
+        # One host sync per step: are there stale rows, and can one windowed forward serve all rows?
+        # The common case (rows just reset, all at the same prompt end L0, every other row at or
+        # beyond it): feed every row its last L0 + 1 columns; fresh rows fill their cache from
+        # column 0, the others rewrite L0 cached columns with identical values. One forward, no prefill.
+        l0 = torch.where(stale, last, -1).max()
+        one_window = (torch.where(stale, last, l0) == l0).all() & (last >= l0).all()
+        n_stale, l0, one_window = torch.stack([stale.sum(), l0, one_window.long()]).tolist()
+        # window: N (L0 + 1) tokens in one forward; prefill + step: n_stale L0 + N tokens in two
+        if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (n_stale * l0 + N):
+            slots = last[:, None] - l0 + torch.arange(l0 + 1, device=tokens.device)  # [N, L0 + 1]
+            out = self.model(
+                tokens.gather(1, slots),
+                attention_mask.gather(1, slots),
+                position_ids=pos_ids.gather(1, slots),
+                cache=cache,
+                cache_slots=slots,
+            )
+            self._cache_len = position.clone()
+            self._cache_tokens = tokens.clone()
+            return out.logits[:, -1]
+        if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
             rows = stale.nonzero().squeeze(-1)
+            width = max(1, int(last[rows].max()))  # columns [0, width) hold every stale row's prefix
             sub = self.model.new_cache(rows.numel(), S, device=tokens.device)
-            prefix = attention_mask[rows] & (cols < last[rows, None])
-            self.model(tokens[rows], prefix, position_ids=pos_ids[rows], cache=sub, cache_slots=0, compute_logits=False)
+            prefix = attention_mask[rows, :width] & (cols[:width] < last[rows, None])
+            self.model(
+                tokens[rows, :width], prefix, position_ids=pos_ids[rows, :width], cache=sub, cache_slots=0,
+                compute_logits=False,
+            )
             cache.k[:, rows] = sub.k
             cache.v[:, rows] = sub.v
             cache.valid[rows] = sub.valid
@@ -596,6 +628,7 @@ def make_actor(
         in_keys=["logits"],
         out_keys=[action_key],
         distribution_class=torch.distributions.Categorical,
+        distribution_kwargs={"validate_args": False},  # logits come from the model: skip per-step checks
         return_log_prob=True,
         log_prob_key=log_prob_key,
         default_interaction_type=InteractionType.RANDOM,
@@ -615,16 +648,18 @@ class ResponseLogProbs(nn.Module):
     response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``
     (:func:`~ppo_objectives.functional.response_log_probs`). Outputs
     ``[B, R]`` float32; positions after the response's end are garbage to be
-    masked by the caller.
+    masked by the caller. With ``entropy_grad=False`` the entropy is computed
+    without gradient (a logged diagnostic, no entropy bonus): cheaper backward.
     """
 
-    def __init__(self, model: nn.Module, prompt_len: int, *, return_entropy: bool = True):
+    def __init__(self, model: nn.Module, prompt_len: int, *, return_entropy: bool = True, entropy_grad: bool = True):
         super().__init__()
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
             raise ValueError(f"prompt_len={prompt_len!r} must be an int >= 1 (the prompt width P)")
         self.model = model
         self.prompt_len = prompt_len
         self.return_entropy = return_entropy
+        self.entropy_grad = entropy_grad
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
         B, T = input_ids.shape
@@ -637,8 +672,12 @@ class ResponseLogProbs(nn.Module):
         logits = self.model(input_ids, attention_mask).logits
         prompt_lens = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
         with value_checks(False):
-            out = response_log_probs(logits, input_ids, prompt_lens, R, return_entropy=self.return_entropy)
-        return out
+            if not self.return_entropy or self.entropy_grad or not torch.is_grad_enabled():
+                return response_log_probs(logits, input_ids, prompt_lens, R, return_entropy=self.return_entropy)
+            logp = response_log_probs(logits, input_ids, prompt_lens, R)
+            with torch.no_grad():  # entropy for logging only: keep it out of the backward pass
+                _, entropy = response_log_probs(logits.detach(), input_ids, prompt_lens, R, return_entropy=True)
+        return logp, entropy
 
 
 class ResponseValues(nn.Module):
@@ -701,6 +740,7 @@ def make_actor_critic(
     shared_trunk: bool = False,
     critic_model: nn.Module | None = None,
     use_kv_cache: bool = True,
+    entropy_grad: bool = True,
     log_prob_key: str = "log_prob",
     entropy_key: str = "entropy",
     value_key: str = "state_value",
@@ -713,6 +753,8 @@ def make_actor_critic(
         shared_trunk: the critic's value head sits on the actor's trunk (one set of
             weights) instead of on its own copy (MiniMind's separate critic, the default).
         critic_model: an explicit critic trunk (overrides ``shared_trunk``).
+        entropy_grad: let gradients flow through the actor's entropy (needed for an
+            entropy bonus; ``False`` makes it a cheaper logged diagnostic).
 
     Example:
         >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
@@ -730,7 +772,7 @@ def make_actor_critic(
         critic_model = model if shared_trunk else copy.deepcopy(model)
     policy = make_actor(model, use_kv_cache=use_kv_cache)
     actor = TensorDictModule(
-        ResponseLogProbs(model, prompt_len, return_entropy=True),
+        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad),
         in_keys=["input_ids", "attention_mask"],
         out_keys=[log_prob_key, entropy_key],
     )

@@ -247,13 +247,12 @@ def warm_start(model: TinyCausalLM, task: DigitTask, steps: int, lr: float, gene
     head = ResponseLogProbs(model, P, return_entropy=False)
     loss = torch.zeros(())
     for _ in range(steps):
-        prompts = torch.stack(task.sample_prompts(64, generator))  # fixed width: no padding needed
-        if prompts.shape[1] != P:
-            raise ValueError("warm start expects fixed-width prompts (DigitTask with min_digits = num_digits)")
+        prompts = task.sample_prompts(64, generator)  # [64, P], left-padded
         digits = torch.randint(10, (64, K1 - 1), generator=generator) + 2
         resp = torch.cat([digits, torch.full((64, 1), task.EOS)], 1)
         ids = torch.cat([prompts, resp], 1).to(device)
-        loss = -head(ids, torch.ones_like(ids, dtype=torch.bool)).mean()
+        mask = torch.cat([prompts != task.PAD, torch.ones_like(resp, dtype=torch.bool)], 1).to(device)
+        loss = -head(ids, mask).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -418,7 +417,7 @@ def _train(cfg: TrainConfig) -> list[dict[str, float]]:
         print(f"--resume: no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
-    ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk)
+    ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, entropy_grad=cfg.entropy_coef > 0)
     ref = _frozen_reference(ac.actor_model, P)
 
     # --- TorchRL components ---------------------------------------------------

@@ -215,6 +215,29 @@ def test_cache_notices_a_different_buffer_with_the_same_positions():
     torch.testing.assert_close(cached, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_cache_prefills_stale_rows_at_different_positions():
+    # row 0 is stale mid-episode (its prefix changed), row 1 was just reset: the stale rows end at
+    # different columns, so the module takes the prefill-then-step path instead of one window
+    env = TokenLMEnv.from_task(DigitTask("copy", 3), num_envs=2, seed=0)
+    lm = _lm(block=env.seq_len)
+    head, full = NextTokenLogits(lm), NextTokenLogits(lm, use_kv_cache=False)
+    td = env.reset()
+    with torch.no_grad():
+        for tok in (3, 4):
+            head(td["tokens"], td["attention_mask"], td["position"])
+            td["action"] = torch.tensor([tok, tok])
+            td = env.step(td)["next"]
+        head(td["tokens"], td["attention_mask"], td["position"])  # cache now at position P + 2
+        mixed = td.clone()
+        mixed["tokens"][0, 0] = 9  # row 0: same position, different prefix
+        fresh = env.reset()
+        for key in ("tokens", "attention_mask", "position"):
+            mixed[key][1] = fresh[key][1]  # row 1: a new episode at position P
+        cached = head(mixed["tokens"], mixed["attention_mask"], mixed["position"])
+        ref = full(mixed["tokens"], mixed["attention_mask"], mixed["position"])
+    torch.testing.assert_close(cached, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_actor_sample_log_prob_equals_a_direct_forward():
     env = TokenLMEnv.from_task(DigitTask("reverse", 3), num_envs=4, seed=0)
     lm = _lm(block=env.seq_len)

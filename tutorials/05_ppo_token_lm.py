@@ -66,7 +66,7 @@ print(f"TinyCausalLM[{PRESET}]: {sum(p.numel() for p in lm.parameters()):,} para
 opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
 sft = ResponseLogProbs(lm, P, return_entropy=False)
 for _ in range(WARMUP_STEPS):
-    prompts = torch.stack(task.sample_prompts(64, gen))
+    prompts = task.sample_prompts(64, gen)
     digits = torch.randint(10, (64, M - 1), generator=gen) + 2
     ids = torch.cat([prompts, digits, torch.full((64, 1), task.EOS)], 1)
     loss = -sft(ids, torch.ones_like(ids, dtype=torch.bool)).mean()  # next-token NLL of the response
@@ -79,7 +79,7 @@ print(f"warm start: response NLL {loss.item():.3f} (log 10 = {math.log(10):.3f} 
 # policy: drives the env token by token (KV cache), writes action + sample_log_prob
 # actor:  one full forward over prompt + response -> log_prob, entropy [B, R]
 # critic: its own copy of the trunk + a value head -> state_value [B, R]
-ac = make_actor_critic(lm, prompt_len=P)
+ac = make_actor_critic(lm, prompt_len=P, entropy_grad=False)  # entropy: logged, no bonus
 ref_lm = copy.deepcopy(lm).requires_grad_(False)  # frozen reference = the warm-started model
 ref = TensorDictModule(ResponseLogProbs(ref_lm, P, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"])
 
@@ -153,7 +153,7 @@ k = min(5, len(rewards))
 print(f"mean reward: first {k} iterations {sum(rewards[:k]) / k:.3f} -> last {k} {sum(rewards[-k:]) / k:.3f} "
       f"({time.perf_counter() - t_start:.0f}s)")
 with torch.no_grad():
-    prompts = torch.stack(task.sample_prompts(5, gen))
+    prompts = task.sample_prompts(5, gen)
     from ppo_objectives.models import sample_with_kv_cache
 
     resp, _, _ = sample_with_kv_cache(lm, prompts, torch.ones_like(prompts, dtype=torch.bool), M, eos_id=task.EOS)
