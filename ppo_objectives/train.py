@@ -132,7 +132,7 @@ def _f(default, help, **kw):
 
 @dataclass
 class TrainConfig:
-    iterations: int = _f(150, "PPO iterations (rollout + updates)")
+    iterations: int = _f(300, "PPO iterations (rollout + updates)")
     seed: int = _f(0, "seed of torch, the env's prompts and the warm start")
     device: str = _f("cpu", "device of models and env", choices=("cpu", "cuda"))
     out: str = _f("runs/ppo_token_lm", "output directory: metrics.csv, training.png, checkpoint.pt")

@@ -29,7 +29,7 @@ SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 
 # ---------------------------------------------------------------- hyper-parameters
 SEED = 0
-ITERATIONS = 3 if SMOKE else 150  # rollout + update rounds
+ITERATIONS = 3 if SMOKE else 300  # rollout + update rounds
 NUM_ENVS = 16 if SMOKE else 64  # responses per rollout
 PRESET = "pico" if SMOKE else "nano"  # model size
 WARMUP_STEPS = 10 if SMOKE else 150  # supervised steps teaching the answer format
