@@ -14,6 +14,7 @@ say) is an error that names it.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,8 +260,8 @@ class TokenPPOLoss(LossModule):
         if clip_value is not None:
             F._check_positive("clip_value", clip_value)
         for name, x in (("critic_coeff", critic_coeff), ("kl_coeff", kl_coeff), ("entropy_coeff", entropy_coeff)):
-            if not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0:
-                raise ValueError(f"{name}={x!r} must be a float >= 0 (0 switches that term off)")
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not (math.isfinite(x) and x >= 0):
+                raise ValueError(f"{name}={x!r} must be a float >= 0 and finite (0 switches that term off)")
         super().__init__()
         self._functional = functional
         self._in_keys = None

@@ -13,6 +13,7 @@ estimate is :func:`ppo_objectives.functional.kl_estimate`.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -30,6 +31,10 @@ from ppo_objectives.value import _mask_or_all, _next, _step_shape, _time_last
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 
 _NESTED_PROTOTYPE_WARNING = "The PyTorch API of nested tensors is in prototype stage"
+
+
+def _is_nonnegative_float(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def _as_tensor(x: Tensor | float, like: Tensor) -> Tensor:
@@ -51,8 +56,8 @@ class FixedKLController(nn.Module):
 
     def __init__(self, coeff: float = 0.05):
         super().__init__()
-        if not isinstance(coeff, (int, float)) or isinstance(coeff, bool) or coeff < 0:
-            raise ValueError(f"coeff={coeff!r} must be a float >= 0 (the weight of the KL penalty)")
+        if not _is_nonnegative_float(coeff):
+            raise ValueError(f"coeff={coeff!r} must be a float >= 0 and finite (the weight of the KL penalty)")
         self.register_buffer("coeff", torch.tensor(float(coeff)))
 
     def update(self, kl: Tensor | float, n_steps: int = 1) -> Tensor:
@@ -72,8 +77,9 @@ class AdaptiveKLController(nn.Module):
     a response's tokens, ``KLPenaltyTransform.last_seq_kl``) for the paper's
     targets of a few nats, or a per-token mean (the loss's ``kl_ref``) for a
     per-token target. The state (``coeff``, ``target``, ``horizon``) lives in
-    buffers, so ``state_dict`` / ``load_state_dict`` round-trip it. No host
-    synchronisation: ``kl`` may be a CUDA tensor.
+    the state dict (``coeff`` a buffer, the rest extra state), so ``state_dict`` /
+    ``load_state_dict`` round-trip it. No host synchronisation: ``kl`` may be a
+    CUDA tensor.
 
     Args:
         init_coeff: starting ``beta`` (Ziegler et al. / TRL: 0.2).
@@ -93,21 +99,35 @@ class AdaptiveKLController(nn.Module):
 
     def __init__(self, init_coeff: float = 0.2, target: float = 6.0, horizon: float = 10000, *, clip: float = 0.2):
         super().__init__()
-        if not isinstance(init_coeff, (int, float)) or isinstance(init_coeff, bool) or init_coeff < 0:
-            raise ValueError(f"init_coeff={init_coeff!r} must be a float >= 0")
+        if not _is_nonnegative_float(init_coeff):
+            raise ValueError(f"init_coeff={init_coeff!r} must be a float >= 0 and finite")
         F._check_positive("target", target, what=" (the KL the controller steers towards)")
         F._check_positive("horizon", horizon, what=" (samples over which beta adapts)")
         F._check_positive("clip", clip)
         self.register_buffer("coeff", torch.tensor(float(init_coeff)))
-        self.register_buffer("target", torch.tensor(float(target)))
-        self.register_buffer("horizon", torch.tensor(float(horizon)))
-        self.clip = float(clip)
+        self.target, self.horizon, self.clip = float(target), float(horizon), float(clip)
+
+    def get_extra_state(self) -> dict[str, float]:
+        return {"target": self.target, "horizon": self.horizon, "clip": self.clip}
+
+    def set_extra_state(self, state: dict[str, float]) -> None:
+        self.target, self.horizon, self.clip = (float(state[k]) for k in ("target", "horizon", "clip"))
 
     def update(self, kl: Tensor | float, n_steps: int = 1) -> Tensor:
-        """Move ``coeff`` one step towards the target given the observed ``kl``; return it."""
+        """Move ``coeff`` one step towards the target given the observed ``kl``; return it.
+
+        A non-finite ``kl`` (e.g. NaN from an empty batch) leaves ``coeff`` unchanged.
+        """
+        if n_steps * self.clip >= self.horizon:
+            raise ValueError(
+                f"n_steps={n_steps} with horizon={self.horizon} and clip={self.clip}: a step of "
+                f"clip * n_steps / horizon >= 1 could make the KL coefficient zero or negative; use a horizon "
+                f"larger than clip * n_steps (samples per update)"
+            )
         kl = _as_tensor(kl, self.coeff)
         error = torch.clamp(kl / self.target - 1.0, -self.clip, self.clip)
-        self.coeff.mul_(1.0 + error * n_steps / self.horizon)
+        error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
+        self.coeff.mul_(1.0 + error * (n_steps / self.horizon))
         return self.coeff
 
 
@@ -324,6 +344,7 @@ class KLPenaltyTransform(Transform):
                 f"KLPenaltyTransform: {self.log_prob_key!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]"
             )
         ref_name = f"log-probs {self.log_prob_key!r}"
+        F._check_same_device(sample_log_prob=logp, ref_log_prob=ref, mask=mask, reward=reward)
         logp = _time_last(logp, ref_name, shape, ref_name)
         ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, ref_name)
         F._check_float("sample_log_prob", logp)
@@ -342,6 +363,12 @@ class KLPenaltyTransform(Transform):
         if reward.shape in (shape[:-1], shape[:-1] + (1,)):
             # A sequence-level score: put it on the last valid token, never on every token.
             score = reward.reshape(shape[:-1])
+            if F._checking_values() and m.numel() and not bool(m.any(-1).all()):
+                empty = (~m.any(-1)).nonzero().flatten()[:5].tolist()
+                raise ValueError(
+                    f"KLPenaltyTransform: rows {empty} have no valid token (empty mask), so their sequence score "
+                    "would be dropped; remove those rows or mark their last token valid"
+                )
             positions = torch.arange(shape[-1], device=m.device)
             last = torch.where(m, positions, -1).amax(-1, keepdim=True)
             at_last = m & (positions == last)

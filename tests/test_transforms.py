@@ -108,18 +108,18 @@ def test_dense_reward_golden_case():
 
 
 def test_sequence_score_lands_on_the_last_valid_token_only():
-    # row 0: 3 valid tokens, score 1 -> [0, 0, 1] minus 0.1 * kl; row 1: 1 valid token; row 2: empty
+    # row 0: 3 valid tokens, score 1 -> [0, 0, 1] minus 0.1 * kl; row 1: 1 valid token
     td = TensorDict(
         {
-            "sample_log_prob": torch.full((3, 3), -1.0),
-            "ref_log_prob": torch.tensor([[-1.5, -1.0, -1.0], [-2.0, -1.0, -1.0], [-1.0, -1.0, -1.0]]),
-            "mask": torch.tensor([[True, True, True], [True, False, False], [False, False, False]]),
-            ("next", "reward"): torch.tensor([1.0, 3.0, 7.0]),
+            "sample_log_prob": torch.full((2, 3), -1.0),
+            "ref_log_prob": torch.tensor([[-1.5, -1.0, -1.0], [-2.0, -1.0, -1.0]]),
+            "mask": torch.tensor([[True, True, True], [True, False, False]]),
+            ("next", "reward"): torch.tensor([1.0, 3.0]),
         },
-        [3],
+        [2],
     )
     out = KLPenaltyTransform(coeff=0.1)(td)
-    expected = torch.tensor([[-0.05, 0.0, 1.0], [3.0 - 0.1, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    expected = torch.tensor([[-0.05, 0.0, 1.0], [3.0 - 0.1, 0.0, 0.0]])
     torch.testing.assert_close(out["next", "reward"], expected)
     assert out["next", "reward"].sum(-1)[0] == pytest.approx(1.0 - 0.05)  # the score counted once, not R times
 
@@ -485,3 +485,46 @@ def test_error_mask_with_values_other_than_0_and_1():
     td["mask"] = td["mask"].float() * 3
     with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
         KLPenaltyTransform()(td)
+
+
+def test_error_sequence_score_of_a_row_without_valid_tokens():
+    td = TensorDict(
+        {
+            "sample_log_prob": torch.zeros(2, 3), "ref_log_prob": torch.zeros(2, 3),
+            "mask": torch.tensor([[True, False, False], [False, False, False]]), ("next", "reward"): torch.ones(2),
+        },
+        [2],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"rows \[1\] have no valid token .* sequence score would be dropped"):
+        KLPenaltyTransform()(td)
+    # a dense reward on an empty row is fine: there is nothing to drop
+    dense = td.clone().set(("next", "reward"), torch.ones(2, 3))
+    assert (KLPenaltyTransform()(dense)["next", "reward"][1] == 0).all()
+
+
+def test_error_reference_on_another_device():
+    td = llm_batch()
+    td = TensorDict({**td.exclude("ref_log_prob").to_dict()}, [3, 5]).set(
+        "ref_log_prob", torch.empty(3, 5, device="meta")
+    )
+    with pytest.raises(ValueError, match="one device.*ref_log_prob on meta"):
+        KLPenaltyTransform()(td)
+
+
+def test_error_nan_coefficients():
+    with pytest.raises(ValueError, match="coeff=nan must be a float >= 0 and finite"):
+        FixedKLController(float("nan"))
+    with pytest.raises(ValueError, match="init_coeff=inf must be a float >= 0 and finite"):
+        AdaptiveKLController(float("inf"))
+
+
+def test_adaptive_controller_ignores_a_non_finite_kl():
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=100)
+    assert float(ctl.update(float("nan"), n_steps=10)) == pytest.approx(0.2)
+    assert float(ctl.update(torch.tensor(float("inf")), n_steps=10)) == pytest.approx(0.2 * 1.02)  # clipped to +0.2
+
+
+def test_error_adaptive_step_that_could_flip_the_coefficient_sign():
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=100)
+    with pytest.raises(ValueError, match=r"n_steps=1000 with horizon=100.0 .* zero or negative"):
+        ctl.update(0.0, n_steps=1000)
