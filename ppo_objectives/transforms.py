@@ -85,7 +85,8 @@ class AdaptiveKLController(nn.Module):
         init_coeff: starting ``beta`` (Ziegler et al. / TRL: 0.2).
         target: target KL (TRL's default 6.0 nats per sequence).
         horizon: the adaptation horizon in samples (TRL's default 10000).
-        clip: bound on the proportional error (0.2 in the paper).
+        clip: bound on the proportional error (0.2 in the paper). ``update`` refuses
+            ``n_steps`` with ``clip * n_steps >= horizon`` (beta could reach 0 or flip sign).
 
     Example:
         >>> ctl = AdaptiveKLController(init_coeff=0.2, target=6.0, horizon=100)
@@ -144,7 +145,10 @@ class KLPenaltyTransform(Transform):
     (Ziegler et al. 2019, arXiv:1909.08593; Stiennon et al. 2020). A
     sequence-level score (one reward per response, shape ``[*B]`` or
     ``[*B, 1]``) is placed on the last valid token and the other tokens get only
-    the penalty: the score is never copied onto every token.
+    the penalty: the score is never copied onto every token (a score on a row
+    without any valid token is refused, since it would be dropped; that check
+    reads the mask, so like the functional core's value checks it is skipped
+    inside ``torch.compile`` and under ``functional.value_checks(False)``).
 
     ``ref_log_prob`` is read when present; otherwise ``ref_model`` computes it
     (without gradient): a TensorDict module that reads the token entries and
