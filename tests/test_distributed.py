@@ -88,8 +88,14 @@ def _worker(rank, init_file, results_dir, empty_rank1):
         opt.step()
         out["params"] = torch.cat([p.detach().flatten() for p in model.parameters()])
         torch.save(out, os.path.join(results_dir, f"rank{rank}.pt"))
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without running destructors: tearing down a DDP Reducer and its gloo group at
+    # interpreter exit can deadlock (the destructor holds the GIL while joining a gloo worker
+    # thread that needs the GIL). The results are on disk and both ranks passed the barrier.
+    os._exit(0)
 
 
 def _run(empty_rank1=False):
