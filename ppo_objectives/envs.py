@@ -459,6 +459,13 @@ class TokenLMEnv(EnvBase):
         else:
             rows = reset.reshape(N).nonzero().squeeze(-1)
         ids, pmask = self._prompts.take(rows.numel(), self._generator, P)
+        bad = pmask & ((ids < 0) | (ids >= self.vocab_size))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"prompt {i} holds token id {int(ids[i, j])}, outside the vocabulary [0, {self.vocab_size}): the "
+                f"policy's embedding cannot look it up; fix the prompt source or raise vocab_size"
+            )
         tokens[rows, :P] = ids.to(self.device)
         mask[rows, :P] = pmask.to(self.device)
         false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
@@ -485,7 +492,15 @@ class TokenLMEnv(EnvBase):
         truncated = (new_position - P >= self.max_new_tokens) & ~terminated
         done = terminated | truncated
         reward = torch.zeros(N, dtype=torch.float32, device=self.device)
-        if done.any():  # score finished responses only (one host sync per step)
+        out_of_vocab = (action < 0) | (action >= self.vocab_size)
+        bad, any_done = torch.stack([out_of_vocab.any(), done.any()]).tolist()  # one host sync per step
+        if bad:
+            i = int(out_of_vocab.nonzero()[0, 0])
+            raise ValueError(
+                f"action {int(action[i])} of row {i} is outside the vocabulary [0, {self.vocab_size}): an action "
+                f"is the next token id; check the policy's output size (V = {self.vocab_size})"
+            )
+        if any_done:  # score finished responses only
             rows = done.nonzero().squeeze(-1)
             score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:])
             reward[rows] = torch.as_tensor(score, dtype=torch.float32, device=self.device).reshape(-1)
@@ -561,6 +576,13 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
         batch = batch.unsqueeze(0)
     elif batch.batch_dims > 2:  # MultiSyncCollector stacks [workers, N, T]
         batch = batch.reshape(-1, batch.shape[-1])
+    for key in ("action", "sample_log_prob", ("next", "tokens"), ("next", "attention_mask"), ("next", "position"),
+                ("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated")):
+        if key not in batch.keys(include_nested=True):
+            raise KeyError(
+                f"trajectories_to_llm_batch: {key!r} is missing from the collector batch; it needs the TokenLMEnv "
+                f"observations under 'next' and a policy that writes 'action' and 'sample_log_prob'"
+            )
     nxt = batch.get("next")
     done = nxt.get("done").reshape(batch.shape)  # [N, T]
     n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)

@@ -69,6 +69,7 @@ from tensordict.nn import (
 )
 from torch import Tensor, nn
 
+from ppo_objectives import functional as _F
 from ppo_objectives.functional import response_log_probs, value_checks
 
 __all__ = [
@@ -315,6 +316,40 @@ class TinyCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    def _check_inputs(self, input_ids, attention_mask) -> None:
+        """Shape, dtype and device checks always; token-id and mask values (a host sync) unless
+        :func:`~ppo_objectives.functional.value_checks` is off (the env policy turns them off)."""
+        if not isinstance(input_ids, Tensor):
+            raise TypeError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be an integer tensor of token ids, got dtype {input_ids.dtype}; use .long()")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}; add a batch dim with [None]")
+        param_device = self.wte.weight.device
+        if input_ids.device != param_device:
+            raise ValueError(
+                f"input_ids is on {input_ids.device} but the model is on {param_device}; move one of them "
+                f"(input_ids.to({str(param_device)!r}))"
+            )
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape "
+                    f"{tuple(input_ids.shape)}: one flag per token is needed (no broadcasting)"
+                )
+            if attention_mask.device != input_ids.device:
+                raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids on {input_ids.device}")
+            if attention_mask.dtype != torch.bool:
+                _F._check_mask(attention_mask, input_ids.shape, "input_ids")  # {0, 1} values
+        if _F._checking_values() and input_ids.numel():
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"input_ids holds token id {bad}, outside [0, vocab_size={self.config.vocab_size}): the embedding "
+                    f"cannot look it up; check the tokenizer / env vocabulary against the model config"
+                )
+
     def new_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> KVCache:
         """An empty cache for ``batch_size`` rows of up to ``max_len`` columns."""
         if max_len > self.config.block_size:
@@ -354,6 +389,7 @@ class TinyCausalLM(nn.Module):
             cache_slots: the columns these tokens occupy in the cache: an int start or ``[B, T]``.
             compute_logits: skip the LM head (a prefill only needs the cache).
         """
+        self._check_inputs(input_ids, attention_mask)
         B, T = input_ids.shape
         device = input_ids.device
         if attention_mask is None:
@@ -506,9 +542,18 @@ class NextTokenLogits(nn.Module):
     def forward(self, tokens: Tensor, attention_mask: Tensor, position: Tensor) -> Tensor:
         attention_mask = attention_mask.bool()
         position = position.reshape(tokens.shape[:-1])
-        if tokens.dim() != 2 or not self.use_kv_cache or torch.is_grad_enabled():
-            return self._full(tokens, attention_mask, position)
-        return self._cached(tokens, attention_mask, position)
+        S = tokens.shape[-1]
+        if _F._checking_values() and position.numel():
+            lo, hi = torch.stack([position.min(), position.max()]).tolist()
+            if lo < 1 or hi > S:
+                raise ValueError(
+                    f"position holds {lo if lo < 1 else hi}, outside [1, {S}] for a token buffer of S={S} columns: "
+                    f"position is the column the next token goes to, after at least one prompt token"
+                )
+        with value_checks(False):  # the env validated its tokens; no per-step host syncs for them
+            if tokens.dim() != 2 or not self.use_kv_cache or torch.is_grad_enabled():
+                return self._full(tokens, attention_mask, position)
+            return self._cached(tokens, attention_mask, position)
 
     def _full(self, tokens, attention_mask, position):
         lead = tokens.shape[:-1]
@@ -696,6 +741,11 @@ class ResponseValues(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         T = input_ids.shape[1]
+        if T - self.prompt_len < 1:
+            raise ValueError(
+                f"input_ids has T={T} columns but prompt_len={self.prompt_len}: there is no response to value; "
+                f"pass prompt + response ([B, P + R])"
+            )
         hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
         h = hidden[:, self.prompt_len - 1 : T - 1]  # [B, R, C]
         return self.value_head(h).squeeze(-1).float()

@@ -167,6 +167,19 @@ class TrainConfig:
     threads: int = _f(1, "torch CPU threads for this run (0 = torch's default); one thread is fastest for "
                          "tiny models, and far faster when other processes share the cores")
 
+    def __post_init__(self):
+        DigitTask(self.task, self.digits)  # the task checks its own arguments
+        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
+                     "warmup_steps", "threads"):
+            value = getattr(self, name)
+            low = 0 if name in ("iterations", "warmup_steps", "threads") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"TrainConfig {name}={value!r} must be an int >= {low}")
+        for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"TrainConfig {name}={value!r} must be a finite number > 0")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

@@ -228,6 +228,18 @@ def test_prompt_source_errors_name_the_problem():
         TokenLMEnv(lambda k, g: [[3, 14]], task.reward, **kw).reset()
 
 
+def test_out_of_vocabulary_prompts_and_actions_are_refused():
+    task = DigitTask("reverse", 2)
+    kw = dict(num_envs=1, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id 20, outside the vocabulary \[0, 16\)"):
+        TokenLMEnv([[3, 20, 14]], task.reward, **kw).reset()
+    env = TokenLMEnv.from_task(task, num_envs=2, seed=0)
+    td = env.reset()
+    td["action"] = torch.tensor([3, 99])
+    with pytest.raises(ValueError, match=r"action 99 of row 1 is outside the vocabulary \[0, 16\)"):
+        env.step(td)
+
+
 def test_env_rejects_bad_arguments():
     task = DigitTask("reverse", 2)
     kw = dict(num_envs=2, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)

@@ -136,6 +136,23 @@ def test_cache_errors_name_the_problem():
         lm(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_model_input_errors_name_the_tensor():
+    lm = _lm(block=8)
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        lm(torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(2,\)"):
+        lm(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\)"):
+        lm(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="input_ids holds token id 20, outside"):
+        lm(torch.tensor([[1, 20]]))
+    with pytest.raises(ValueError, match=r"position holds 9, outside \[1, 6\]"):
+        with torch.no_grad():
+            NextTokenLogits(lm)(torch.ones(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), torch.tensor([9]))
+    with pytest.raises(ValueError, match="there is no response to value"):
+        ResponseValues(lm, 3)(torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool))
+
+
 def test_sample_with_kv_cache_log_probs_equal_a_full_forward():
     lm = _lm(block=12)
     prompts = torch.tensor([[0, 3, 4, 14], [5, 6, 7, 14]])

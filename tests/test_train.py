@@ -148,6 +148,13 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         T.main(["--iterations", "1", "--device", "cuda", "--out", str(tmp_path)])
 
 
+def test_config_rejects_bad_schedules():
+    with pytest.raises(ValueError, match="TrainConfig minibatches=0 must be an int >= 1"):
+        T.TrainConfig(minibatches=0)
+    with pytest.raises(ValueError, match="TrainConfig lr=-1.0 must be a finite number > 0"):
+        T.TrainConfig(lr=-1.0)
+
+
 def test_every_logged_metric_is_explained_in_the_module_docstring():
     for name in T.METRICS:
         assert f"``{name}``" in T.__doc__ or f"``{name}`` /" in T.__doc__ or f"/ ``{name}``" in T.__doc__, name
