@@ -39,6 +39,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ppo_objectives import _gae_fast, _logprobs  # the fast kernels behind masked_gae / response_log_probs (torch only)
+
 __all__ = [
     "aggregate_loss",
     "approx_kl",
@@ -533,9 +535,7 @@ def response_log_probs(
             f"input_ids holds response token ids outside the vocabulary [0, V={V}) of the logits, "
             f"such as {bad}; check the tokenizer / model pairing or the padding id"
         )
-    from ppo_objectives._logprobs import gathered_log_probs
-
-    logp, entropy = gathered_log_probs(
+    logp, entropy = _logprobs.gathered_log_probs(
         logits, positions, targets, return_entropy=return_entropy, chunk_size=chunk_size
     )
     return (logp, entropy) if return_entropy else logp
@@ -692,8 +692,6 @@ def masked_gae(
         >>> ret
         tensor([[1., 1., 1., 0.]])
     """
-    from ppo_objectives import _gae_fast
-
     if not isinstance(backend, str) or backend not in _gae_fast.BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {_gae_fast.BACKENDS}")
     out_dtype = values.dtype if isinstance(values, Tensor) else None
