@@ -132,6 +132,17 @@ def _check_same_device(**tensors: Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}; move them with .to(device)")
 
 
+def _check_token_tensors(mask: object, **tensors: object) -> Tensor | None:
+    """The common first lines of a per-token function: every tensor float, of one shape, on one
+    device with the mask; returns the mask as bool (``None`` when ``mask`` is ``None``)."""
+    for name, t in tensors.items():
+        _check_float(name, t)
+    (ref_name, ref), *_ = tensors.items()
+    _check_same_shape(ref_name, ref, **dict(list(tensors.items())[1:]))
+    _check_same_device(**tensors, **({} if mask is None else {"mask": _check_tensor("mask", mask)}))
+    return None if mask is None else _check_mask(mask, ref.shape, ref_name)
+
+
 def _check_mask(mask: object, shape: torch.Size, ref_name: str) -> Tensor:
     """Validate ``mask`` and return it as a bool tensor."""
     mask = _check_tensor("mask", mask)
@@ -406,11 +417,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         >>> explained_variance(torch.zeros(4), r, torch.ones(4, dtype=torch.bool))
         tensor(0.)
     """
-    _check_float("values", values)
-    _check_float("returns", returns)
-    _check_same_shape("values", values, returns=returns)
-    m = _check_mask(mask, values.shape, "values")
-    _check_same_device(values=values, returns=returns, mask=mask)
+    m = _check_token_tensors(mask, values=values, returns=returns)
     cd = _compute_dtype(values, returns)
     v, r = values.detach().to(cd), returns.detach().to(cd)
     var_r = masked_var(r, m)
@@ -900,11 +907,7 @@ def ppo_policy_loss(
         >>> stats["clip_fraction"], stats["clip_fraction_high"], stats["clip_fraction_low"]
         (tensor(0.6667), tensor(0.3333), tensor(0.3333))
     """
-    for name, t in (("new_logps", new_logps), ("old_logps", old_logps), ("advantages", advantages)):
-        _check_float(name, t)
-    _check_same_shape("new_logps", new_logps, old_logps=old_logps, advantages=advantages)
-    m = _check_mask(mask, new_logps.shape, "new_logps")
-    _check_same_device(new_logps=new_logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    m = _check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps, advantages=advantages)
     eps_low = _check_positive("clip_epsilon", clip_epsilon)
     eps_high = eps_low if clip_epsilon_high is None else _check_positive("clip_epsilon_high", clip_epsilon_high)
     if dual_clip is not None:
@@ -959,11 +962,7 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
         >>> approx_kl(torch.tensor([0.0, -2.0]), torch.tensor([-1.0, -2.0]), torch.tensor([True, True]))
         tensor(0.2500)
     """
-    _check_float("new_logps", new_logps)
-    _check_float("old_logps", old_logps)
-    _check_same_shape("new_logps", new_logps, old_logps=old_logps)
-    m = _check_mask(mask, new_logps.shape, "new_logps")
-    _check_same_device(new_logps=new_logps, old_logps=old_logps, mask=mask)
+    m = _check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps)
     cd = _compute_dtype(new_logps, old_logps)
     d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
     return masked_mean(0.5 * d * d, m)
@@ -1003,10 +1002,7 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
         >>> [round(float(kl_estimate(lp, ref, e)), 4) for e in ("k1", "k2", "k3")]
         [0.6931, 0.2402, 0.1931]
     """
-    _check_float("logps", logps)
-    _check_float("ref_logps", ref_logps)
-    _check_same_shape("logps", logps, ref_logps=ref_logps)
-    _check_same_device(logps=logps, ref_logps=ref_logps)
+    _check_token_tensors(None, logps=logps, ref_logps=ref_logps)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
     if clamp is not None:
@@ -1062,11 +1058,7 @@ def reference_kl_penalty(
         >>> reference_kl_penalty(pol, ref, torch.tensor([[1, 1]]))  # (0.1931 + 0) / 2
         tensor(0.0966)
     """
-    _check_float("policy_logps", policy_logps)
-    _check_float("ref_logps", ref_logps)
-    _check_same_shape("policy_logps", policy_logps, ref_logps=ref_logps)
-    m = _check_mask(mask, policy_logps.shape, "policy_logps")
-    _check_same_device(policy_logps=policy_logps, ref_logps=ref_logps, mask=mask)
+    m = _check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps)
     _check_mode(loss_agg_mode)
     zero = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
     safe_pol = torch.where(m, policy_logps, zero)
@@ -1118,11 +1110,7 @@ def clipped_value_loss(
         >>> clipped_value_loss(V, V_old, R, torch.tensor([[1, 1]]), 0.2)
         tensor(0.5000)
     """
-    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
-        _check_float(name, t)
-    _check_same_shape("values", values, old_values=old_values, returns=returns)
-    m = _check_mask(mask, values.shape, "values")
-    _check_same_device(values=values, old_values=old_values, returns=returns, mask=mask)
+    m = _check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
     c = _check_positive("cliprange_value", cliprange_value)
     _check_mode(loss_agg_mode)
     cd = _compute_dtype(values, old_values, returns)

@@ -761,3 +761,9 @@ def test_empty_batches_and_empty_responses_give_zeros(shape):
     assert masked_whiten(x, m).shape == shape
     for mode in F.LOSS_AGG_MODES:
         assert aggregate_loss(x, m, mode).item() == 0.0
+
+
+def test_device_mismatch_is_reported_before_mask_values_are_read():
+    # a float mask on another device must give the device error, not a failed value check
+    with pytest.raises(ValueError, match=r"all tensors must be on one device.*mask on meta"):
+        ppo_policy_loss(x3, x3, x3, torch.ones(2, 3, device="meta"), 0.2)
