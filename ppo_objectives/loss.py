@@ -426,8 +426,15 @@ class TokenPPOLoss(LossModule):
             return net(tensordict.exclude(*outputs))
 
     @dispatch
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Compute the loss terms and diagnostics of one (mini)batch; ``tensordict`` is not modified."""
+    def forward(self, tensordict: TensorDictBase, *, normalizer: torch.Tensor | float | None = None) -> TensorDictBase:
+        """Compute the loss terms and diagnostics of one (mini)batch; ``tensordict`` is not modified.
+
+        ``normalizer``: optional denominator of every ``loss_*`` aggregation (the
+        ``normalizer=`` of :func:`~ppo_objectives.functional.aggregate_loss`), e.g.
+        ``loss_normalizer(mask, loss.loss_agg_mode, process_group=pg)``: the valid-token
+        count over all ranks, so that DDP's gradient average equals one process holding
+        every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
+        """
         k = self.tensor_keys
         td = tensordict.clone(False)
         if td.get(k.advantage, None) is None:
@@ -484,6 +491,7 @@ class TokenPPOLoss(LossModule):
             clip_epsilon_high=self.clip_epsilon_high,
             dual_clip=self.dual_clip,
             loss_agg_mode=self.loss_agg_mode,
+            normalizer=normalizer,
             return_stats=True,
         )
         out = TensorDict({"loss_objective": loss_objective})
@@ -497,6 +505,7 @@ class TokenPPOLoss(LossModule):
                 estimator=self.kl_estimator,
                 clamp=self.kl_clamp,
                 loss_agg_mode=self.loss_agg_mode,
+                normalizer=normalizer,
             )
             out.set("loss_kl_ref", self.kl_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
@@ -505,7 +514,8 @@ class TokenPPOLoss(LossModule):
 
         if entropy is not None:
             entropy = _time_last(entropy, f"actor output {k.entropy!r}", shape, ref)
-            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, mask, self.loss_agg_mode))
+            agg_entropy = F.aggregate_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
+            out.set("loss_entropy", -self.entropy_coeff * agg_entropy)
             out.set("entropy", F.masked_mean(entropy.detach(), mask))
         else:
             out.set("loss_entropy", zero)
@@ -519,7 +529,7 @@ class TokenPPOLoss(LossModule):
             if self.clip_value is None:
                 # No clipping: with V_old = V both branches are (V - G)^2.
                 loss_critic = F.clipped_value_loss(
-                    values, values.detach(), returns, mask, 1.0, loss_agg_mode=self.loss_agg_mode
+                    values, values.detach(), returns, mask, 1.0, loss_agg_mode=self.loss_agg_mode, normalizer=normalizer
                 )
             else:
                 loss_critic, vstats = F.clipped_value_loss(
@@ -529,6 +539,7 @@ class TokenPPOLoss(LossModule):
                     mask,
                     self.clip_value,
                     loss_agg_mode=self.loss_agg_mode,
+                    normalizer=normalizer,
                     return_stats=True,
                 )
                 out.set("value_clip_fraction", vstats["value_clip_fraction"])
