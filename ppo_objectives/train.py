@@ -11,6 +11,7 @@ One iteration (MiniMind's PPO stage, on TorchRL components)::
     for epoch in ppo_epochs: for minibatch:             TokenPPOLoss -> backward
         clip grad norm 1.0, AdamW step (actor, critic)
         stop all remaining steps once kl_approx > early_stop_kl
+        skip the step when the loss or a gradient norm is not finite
     KL controller update (fixed by default, --adaptive-kl for Ziegler et al.)
 
 The default job teaches a ~0.1M-parameter TinyCausalLM to reverse 3 digits
@@ -18,6 +19,17 @@ The default job teaches a ~0.1M-parameter TinyCausalLM to reverse 3 digits
 short supervised warm start that teaches only the *format* (three digits then
 EOS, digits random), so what the reward measures -- the right digits -- is
 learned by PPO alone. It runs on CPU in a few minutes.
+
+Data-parallel (DDP): ``torchrun --nproc_per_node 2 -m ppo_objectives.train ...``
+(gloo on CPU, nccl with ``--device cuda``, one GPU per process). The launcher is
+detected from ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK``; every rank rolls out its
+own ``--num-envs`` rows (seeded per rank), the actor and the critic are called
+through ``DistributedDataParallel`` in the update, advantages are whitened over
+the valid tokens of all ranks, every optimizer step divides by the global
+valid-token count (``functional.loss_normalizer``), the approx-KL early stop and
+the non-finite guard decide on global numbers (all ranks stop and skip together),
+and the logged metrics are over all ranks. Only rank 0 writes metrics, plot and
+checkpoint; the run ends by checking that the parameters are identical on every rank.
 
 Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/training.png``)
 ------------------------------------------------------------------------------------
@@ -70,15 +82,26 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
     ``1 - Var(G - V) / Var(G)`` of the returns by the critic (1 = perfect, <= 0 = useless).
 ``updates`` / ``early_stopped``
     Optimizer steps taken this iteration, and 1 when the approx-KL early stop fired.
+``skipped_steps``
+    Minibatch steps skipped by the non-finite guard this iteration: the summed loss
+    (on any rank) or a pre-clip gradient norm was NaN/inf, so no optimizer stepped and
+    the parameters and AdamW moments are untouched (each skip is also logged to stderr).
 ``grad_norm``
     Mean pre-clip gradient norm of the actor (clipped to ``--max-grad-norm``).
 ``rollout_s`` / ``update_s`` / ``tokens_per_s``
     Wall time of the rollout and of the PPO updates; generated tokens per rollout second.
 
+Under ``torchrun`` the rollout numbers (``reward``, ``exact``, ``response_len``,
+``seq_kl``) are over the responses of all ranks, ``episodes`` and ``tokens_per_s``
+are totals, ``kl_approx`` is the token-weighted global value, and the other update
+diagnostics are the mean of the ranks' values.
+
 Checkpoints: ``DIR/checkpoint.pt`` (actor, critic, reference, both optimizers, KL
-controller, RNG states, iteration), written atomically (temporary file +
+controller, RNG states of every rank, iteration; no learning-rate scheduler is
+used), written atomically (temporary file +
 ``os.replace``) every ``--save-every`` iterations and at the end; ``--resume``
-continues from it and appends to ``metrics.csv``.
+continues from it and appends to ``metrics.csv`` (dropping any rows logged after that
+checkpoint by the interrupted run, which are logged again).
 """
 
 from __future__ import annotations
@@ -94,9 +117,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 
+from ppo_objectives import functional as F
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.models import (
@@ -115,7 +140,7 @@ METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
     "clip_fraction", "ratio_max", "ess", "value_clip_fraction", "explained_variance", "updates",
-    "early_stopped", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
+    "early_stopped", "skipped_steps", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
 )  # fmt: skip
 
 
@@ -201,8 +226,106 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- #
+# Plumbing: torch.distributed (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _Dist:
+    """Where this process stands: rank / world size, and the process group (``None`` alone)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: object = None
+    owns_group: bool = False  # we initialised it, so we destroy it
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` of a torchrun launch, 0 when not launched by torchrun (or a process group exists)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        return 0
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {missing} are not: start data-parallel runs with "
+            "torchrun --nproc_per_node N -m ppo_objectives.train ..., or unset WORLD_SIZE for one process"
+        )
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _init_distributed(device: str) -> _Dist:
+    """Join the torchrun job (gloo on CPU, nccl on CUDA); one process without a launcher."""
+    if not _launched_world_size():
+        return _Dist()
+    owns = not dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    if owns:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")  # env:// rendezvous of torchrun
+    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist.group.WORLD, owns)
+
+
+def _all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
+    """In-place all-reduce (sum by default) over ``group``; the identity without one."""
+    if group is not None:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return x
+
+
+def _wrap_ddp(ac: ActorCritic, d: _Dist, device: torch.device) -> tuple[TensorDictModule, TensorDictModule, list]:
+    """Actor and critic TensorDict modules whose networks are ``DistributedDataParallel``.
+
+    The loss calls them (never ``.module``), so every backward all-reduces the gradients.
+    Construction broadcasts rank 0's parameters, so every rank starts identical.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = dict(device_ids=[device.index] if device.type == "cuda" else None)  # the models have no buffers
+    actor_ddp, critic_ddp = DDP(ac.actor.module, **kw), DDP(ac.critic.module, **kw)
+    actor = TensorDictModule(actor_ddp, in_keys=ac.actor.in_keys, out_keys=ac.actor.out_keys)
+    critic = TensorDictModule(critic_ddp, in_keys=ac.critic.in_keys, out_keys=ac.critic.out_keys)
+    return actor, critic, [actor_ddp, critic_ddp]
+
+
+def _param_checksums(modules) -> torch.Tensor:
+    """Per parameter ``(sum, sum of squares, position-weighted sum)`` in float64 ([3 * n_params])."""
+    rows = []
+    for m in modules:
+        for p in m.parameters():
+            x = p.detach().double().flatten()
+            w = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64) / x.numel()
+            rows.append(torch.stack([x.sum(), (x * x).sum(), (x * w).sum()]))
+    return torch.cat(rows)
+
+
+def _check_ranks_in_sync(modules, group) -> None:
+    """Raise when the parameters differ between ranks (their checksums are compared exactly)."""
+    if group is None:
+        return
+    c = _param_checksums(modules)
+    hi, lo = _all_reduce(c.clone(), group, dist.ReduceOp.MAX), -_all_reduce(-c, group, dist.ReduceOp.MAX)
+    if not torch.equal(hi, lo):
+        first = int((hi != lo).nonzero()[0]) // 3
+        raise RuntimeError(
+            f"the parameters differ between the {dist.get_world_size(group)} ranks (first at parameter #{first}): "
+            "the gradients were not synchronised -- call the DDP-wrapped networks, never their .module"
+        )
+
+
+# --------------------------------------------------------------------------- #
 # Plumbing: building the pieces
 # --------------------------------------------------------------------------- #
+
+
+_RANK_SEED_STRIDE = 1_000_003  # rank r rolls out with seed + r * stride (torch sampling and env prompts)
 
 
 def _make_env(task: DigitTask, num_envs: int, device: str, seed: int) -> TokenLMEnv:
@@ -219,7 +342,7 @@ class _EnvFactory:
         return _make_env(*self.args)
 
 
-def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv):
+def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *, rank: int = 0):
     """``Collector`` (TorchRL 0.14's SyncDataCollector) or ``MultiSyncCollector`` over ``workers`` processes.
 
     ``frames_per_batch = N * M`` with ``reset_at_each_iter=True``: every row starts a
@@ -238,7 +361,8 @@ def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv):
             auto_register_policy_transforms=False,
         )
     per_worker = max(1, cfg.num_envs // cfg.workers)
-    factories = [_EnvFactory(task, per_worker, "cpu", cfg.seed + 1000 * (i + 1)) for i in range(cfg.workers)]
+    seeds = [cfg.seed + _RANK_SEED_STRIDE * rank + 1000 * (i + 1) for i in range(cfg.workers)]
+    factories = [_EnvFactory(task, per_worker, "cpu", seed) for seed in seeds]
     return MultiSyncCollector(
         factories,
         policy,
@@ -284,8 +408,13 @@ def _frozen_reference(actor_model, prompt_len: int) -> TensorDictModule:
 # --------------------------------------------------------------------------- #
 
 
-def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int, M: int):
-    """One collector batch -> the LLM-layout batch the loss trains on (advantages included)."""
+def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int, M: int,
+                  *, process_group=None):
+    """One collector batch -> the LLM-layout batch the loss trains on (advantages included).
+
+    With a ``process_group`` (``gae`` built with ``average_gae=False``) the advantages are
+    whitened with the mean and variance of the valid tokens of every rank's batch.
+    """
     batch = next(collector_iter)  # [N, T] per-token steps
     device = next(ac.actor_model.parameters()).device
     llm = trajectories_to_llm_batch(batch.to(device), P, M)
@@ -294,36 +423,62 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
         ac.critic(llm)  # V_old: "state_value" [B, R]
         kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
         gae(llm)  # "advantage" (whitened over valid tokens), "value_target" = raw advantage + V_old
+        if process_group is not None:  # whiten over the valid tokens of all ranks
+            llm.set("advantage", F.masked_whiten(llm["advantage"], llm["mask"], process_group=process_group))
     return llm
 
 
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,
-               generator: torch.Generator) -> dict[str, float]:
+               generator: torch.Generator, *, process_group=None) -> dict[str, float]:
     """MiniMind's update: ``ppo_epochs`` x ``minibatches`` AdamW steps on the summed ``loss_*``,
     grad-norm clipped; the first step whose ``kl_approx`` exceeds ``early_stop_kl`` is not applied
-    and ends the update (no further optimizer steps this iteration)."""
+    and ends the update (no further optimizer steps this iteration). A step whose summed loss or
+    pre-clip gradient norm is not finite is skipped (counted in ``skipped_steps``).
+
+    With a ``process_group`` (``loss_module`` calling DDP-wrapped networks): each step divides by
+    the valid-token count of all ranks, and the early stop and the non-finite guard decide on
+    all-reduced numbers, so every rank takes the same steps (the same number of collectives).
+    """
     B = llm.batch_size[0]
-    mb_size = max(1, math.ceil(B / cfg.minibatches))
+    rank = dist.get_rank(process_group) if process_group is not None else 0
     actor_params, critic_params = ac.actor_parameters(), ac.critic_parameters()
     all_params = list({id(p): p for p in actor_params + critic_params}.values())
     sums: dict[str, float] = {}
-    steps, kl_max, stopped, grad_norm = 0, 0.0, False, 0.0
-    for _epoch in range(cfg.ppo_epochs):
+    steps, kl_max, stopped, grad_norm, skipped = 0, 0.0, False, 0.0, 0
+    for epoch in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=generator).to(llm.device)
-        for start in range(0, B, mb_size):
-            mb = llm[perm[start : start + mb_size]]
-            out = loss_module(mb)
-            kl_now = float(out["kl_approx"])  # host sync: the early-stop decision needs the number
+        for j, idx in enumerate(torch.tensor_split(perm, cfg.minibatches)):  # the same count on every rank
+            mb = llm[idx]
+            norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
+            out = loss_module(mb, normalizer=norm)
+            total = sum(v for k, v in out.items() if k.startswith("loss_"))
+            # one all-reduce for both decisions: token-weighted approx-KL and "some rank's loss is not finite"
+            n = mb["mask"].sum().to(torch.float32)
+            signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
+            signal = _all_reduce(signal, process_group).tolist()  # host sync: the decisions need numbers
+            kl_now = signal[0] / max(signal[1], 1.0) if process_group is not None else float(out["kl_approx"])
             kl_max = max(kl_max, kl_now)
             if cfg.early_stop_kl and kl_now > cfg.early_stop_kl:
                 stopped = True  # this minibatch's step is not taken, nor any later one
                 break
-            total = sum(v for k, v in out.items() if k.startswith("loss_"))
+            if signal[2] > 0:
+                skipped += 1
+                _log_skip(rank, f"non-finite loss {_loss_terms(out)}", epoch, j)
+                continue
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             total.backward()
             gn = torch.nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm)
-            torch.nn.utils.clip_grad_norm_(critic_params if not ac.shared_trunk else all_params, cfg.max_grad_norm)
+            gn_c = torch.nn.utils.clip_grad_norm_(
+                critic_params if not ac.shared_trunk else all_params, cfg.max_grad_norm
+            )
+            bad = _all_reduce((~torch.isfinite(torch.stack([gn, gn_c]))).any().float(), process_group)
+            if float(bad) > 0:  # clipping scaled by a NaN norm: the gradients are garbage, drop them
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                skipped += 1
+                _log_skip(rank, f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})", epoch, j)
+                continue
             for opt in optimizers:
                 opt.step()
             steps += 1
@@ -334,9 +489,26 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                     sums[k] = sums.get(k, 0.0) + float(out[k].detach())
         if stopped:
             break
+    keys = sorted(sums)
+    if process_group is not None and keys:  # the mean of the ranks' diagnostics (every rank took the same steps)
+        world = dist.get_world_size(process_group)
+        reduced = _all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=llm.device),
+                              process_group).tolist()
+        sums = {k: v / world for k, v in zip(keys, reduced)}
     stats = {k.lower(): v / max(steps, 1) for k, v in sums.items()}
-    stats.update(updates=steps, early_stopped=int(stopped), kl_approx_max=kl_max, grad_norm=grad_norm / max(steps, 1))
+    stats.update(updates=steps, early_stopped=int(stopped), skipped_steps=skipped, kl_approx_max=kl_max,
+                 grad_norm=grad_norm / max(steps, 1))
     return stats
+
+
+def _loss_terms(out: TensorDictBase) -> dict[str, float]:
+    return {k: float(v.detach()) for k, v in out.items() if k.startswith("loss_")}
+
+
+def _log_skip(rank: int, why: str, epoch: int, minibatch: int) -> None:
+    if rank == 0:
+        print(f"ppo_update: {why} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
+              "(counted in skipped_steps)", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -357,6 +529,24 @@ def _append_metrics(path: Path, row: dict) -> None:
         if new:
             w.writeheader()
         w.writerow({k: row.get(k, "") for k in METRICS})
+
+
+def _truncate_metrics(path: Path, iteration: int) -> None:
+    """Drop the rows after ``iteration`` (logged after the last checkpoint by a run that then
+    died): the resumed run logs those iterations again. Atomic, like the checkpoint."""
+    if not path.exists():
+        return
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    keep = [r for r in rows if r.get("iteration") and float(r["iteration"]) <= iteration]
+    if len(keep) == len(rows):
+        return
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=METRICS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows({k: r.get(k, "") or "" for k in METRICS} for r in keep)
+    os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -399,38 +589,67 @@ def plot_metrics(csv_path: Path, png_path: Path) -> None:
 
 
 def train(cfg: TrainConfig) -> list[dict[str, float]]:
-    """Run PPO as configured; returns the metrics rows of the iterations run now."""
+    """Run PPO as configured; returns the metrics rows of the iterations run now.
+
+    Under ``torchrun`` (``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` set) every process runs this
+    as one rank of a data-parallel job and gets the same rows (all-reduced over the ranks).
+    """
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
+    if cfg.shared_trunk and _launched_world_size() > 1:
+        raise ValueError(
+            "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
+            "DistributedDataParallel wrappers cannot own the same parameters; drop --shared-trunk for "
+            "data-parallel runs (the critic then has its own copy of the trunk)"
+        )
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    d = _init_distributed(cfg.device)
     try:
-        return _train(cfg)
+        return _train(cfg, d)
     finally:
         torch.set_num_threads(threads_before)
+        if d.owns_group:
+            # _train has returned, so its DDP wrappers are freed while the group is alive (a DDP
+            # Reducer destroyed at interpreter exit, after the group, can deadlock with gloo)
+            import gc
+
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig) -> list[dict[str, float]]:
+def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
+    pg = d.group
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
     ckpt_path, csv_path = out / "checkpoint.pt", out / "metrics.csv"
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    device = torch.device(cfg.device)
+    device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" and pg is not None else cfg.device)
+    rank_seed = cfg.seed + _RANK_SEED_STRIDE * d.rank  # = seed on rank 0 / without torchrun
 
-    # --- task, env, networks -------------------------------------------------
+    # --- task, env, networks (identical on every rank; DDP broadcasts rank 0's anyway) ---
     task = DigitTask(cfg.task, cfg.digits)
-    env = _make_env(task, cfg.num_envs, cfg.device, cfg.seed)
+    env = _make_env(task, cfg.num_envs, str(device), rank_seed)
     P, M = env.prompt_len, env.max_new_tokens
     lm = TinyCausalLM(TinyLMConfig.preset(cfg.preset, vocab_size=task.vocab_size, block_size=env.seq_len)).to(device)
     start_it = 0
     ckpt = torch.load(ckpt_path, map_location=device, weights_only=False) if cfg.resume and ckpt_path.exists() else None
-    if cfg.resume and ckpt is None:
+    if cfg.resume and ckpt is None and d.main:
         print(f"--resume: no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
+    if ckpt is not None and ckpt.get("world_size", 1) != d.world:
+        raise ValueError(
+            f"--resume: {ckpt_path} was written by a run with {ckpt.get('world_size', 1)} process(es), this one has "
+            f"{d.world}; resume with the same torchrun --nproc_per_node (each rank restores its own RNG states)"
+        )
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, entropy_grad=cfg.entropy_coef > 0)
+    # the loss calls the actor and the critic through DDP under torchrun (gradients all-reduced)
+    actor, critic, ddp_wrappers = _wrap_ddp(ac, d, device) if pg is not None else (ac.actor, ac.critic, [])
     ref = _frozen_reference(ac.actor_model, P)
 
     # --- TorchRL components ---------------------------------------------------
@@ -440,10 +659,11 @@ def _train(cfg: TrainConfig) -> list[dict[str, float]]:
         else FixedKLController(cfg.kl_coef)
     ).to(device)
     kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
-    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=True, device=device)
+    # one process: GAE whitens its batch; torchrun: rollout_batch whitens over all ranks' tokens
+    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=pg is None, device=device)
     loss_module = TokenPPOLoss(
-        ac.actor,
-        ac.critic,
+        actor,
+        critic,
         clip_epsilon=cfg.clip_epsilon,
         critic_coeff=cfg.critic_coef,
         clip_value=cfg.clip_value,
@@ -467,27 +687,43 @@ def _train(cfg: TrainConfig) -> list[dict[str, float]]:
         critic_opt.load_state_dict(ckpt["critic_opt"])
         controller.load_state_dict(ckpt["kl_controller"])
         start_it = int(ckpt["iteration"])
+        if d.main:
+            _truncate_metrics(csv_path, start_it)
+    elif pg is not None:
+        torch.manual_seed(rank_seed)  # after the identical build: each rank samples its own responses
 
-    collector = make_collector(cfg, task, ac.policy, env)
+    collector = make_collector(cfg, task, ac.policy, env, rank=d.rank)
     collector_iter = iter(collector)
     if ckpt is not None:  # RNG states last: building the collector resets the env (draws prompts)
-        torch.set_rng_state(ckpt["torch_rng"])
-        gen.set_state(ckpt["update_rng"])
-        env._generator.set_state(ckpt["env_rng"])
+        rng = ckpt["rank_rng"][d.rank] if "rank_rng" in ckpt else ckpt
+        torch.set_rng_state(rng["torch_rng"])
+        gen.set_state(rng["update_rng"])
+        env._generator.set_state(rng["env_rng"])
+        if rng.get("cuda_rng") is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda_rng"], device)
+
+    def rng_states():
+        return dict(
+            torch_rng=torch.get_rng_state(), update_rng=gen.get_state(), env_rng=env._generator.get_state(),
+            cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        )  # fmt: skip
 
     def state(iteration):
+        rank_rng = [rng_states()]
+        if pg is not None:  # a collective: every rank calls state() at the same iterations
+            rank_rng = [None] * d.world
+            dist.all_gather_object(rank_rng, rng_states(), group=pg)
         return dict(
-            iteration=iteration, config=asdict(cfg),
+            iteration=iteration, config=asdict(cfg), world_size=d.world,
             actor_model=ac.actor_model.state_dict(), critic_model=ac.critic_model.state_dict(),
             critic_head=ac.critic_head.state_dict(), reference=ref.module.model.state_dict(),
             actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
-            kl_controller=controller.state_dict(), torch_rng=torch.get_rng_state(),
-            update_rng=gen.get_state(), env_rng=env._generator.get_state(),
+            kl_controller=controller.state_dict(), **rank_rng[0], rank_rng=rank_rng,
         )  # fmt: skip
 
     rows: list[dict[str, float]] = []
     bar = None
-    if not cfg.no_progress:
+    if not cfg.no_progress and d.main:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True)
@@ -495,25 +731,21 @@ def _train(cfg: TrainConfig) -> list[dict[str, float]]:
         for it in range(start_it, cfg.iterations):
             # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
             t0 = time.perf_counter()
-            llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M)
+            llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M, process_group=pg)
             t1 = time.perf_counter()
-            # 2. PPO epochs x minibatches, approx-KL early stop
-            stats = ppo_update(llm, loss_module, ac, (actor_opt, critic_opt), cfg, gen)
+            # 2. PPO epochs x minibatches, approx-KL early stop, non-finite guard
+            stats = ppo_update(llm, loss_module, ac, (actor_opt, critic_opt), cfg, gen, process_group=pg)
             t2 = time.perf_counter()
-            # 3. KL coefficient update; the collector's policy shares the weights (in-process) or
-            #    receives them (worker processes)
-            coeff = controller.update(kl_transform.last_seq_kl, n_steps=llm.batch_size[0])
+            # 3. KL coefficient update (on the all-rank KL: beta stays identical on every rank); the
+            #    collector's policy shares the weights (in-process) or receives them (worker processes)
+            roll = _rollout_stats(llm, kl_transform, pg)
+            coeff = controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
+            n_tok = roll.pop("tokens")
             if cfg.workers > 1:
                 collector.update_policy_weights_()
-            n_tok = int(llm["mask"].sum())
             row = dict(
                 iteration=it + 1,
-                reward=float(llm["score"].mean()),
-                exact=float((llm["score"] >= 1.0).float().mean()),
-                response_len=n_tok / max(llm.batch_size[0], 1),
-                episodes=llm.batch_size[0],
-                kl_ref=float(kl_transform.last_kl),
-                seq_kl=float(kl_transform.last_seq_kl),
+                **roll,
                 kl_coeff=float(coeff),
                 rollout_s=t1 - t0,
                 update_s=t2 - t1,
@@ -521,19 +753,52 @@ def _train(cfg: TrainConfig) -> list[dict[str, float]]:
                 **stats,
             )
             rows.append(row)
-            _append_metrics(csv_path, row)
+            if d.main:
+                _append_metrics(csv_path, row)
             if bar is not None:
                 bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}")
                 bar.update(1)
             if (it + 1) % cfg.save_every == 0 or it + 1 == cfg.iterations:
-                _save_checkpoint(ckpt_path, state(it + 1))
+                st = state(it + 1)
+                if d.main:
+                    _save_checkpoint(ckpt_path, st)
+        _check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+        if pg is not None and d.main:
+            print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
     finally:
         if bar is not None:
             bar.close()
         collector.shutdown()
-    if not cfg.no_plot and csv_path.exists():
+        del loss_module, actor, critic
+        ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
+    if d.main and not cfg.no_plot and csv_path.exists():
         plot_metrics(csv_path, out / "training.png")
     return rows
+
+
+def _rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
+    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun)."""
+    score, B = llm["score"], llm.batch_size[0]
+    n_tok = llm["mask"].sum()
+    if pg is None:
+        return dict(
+            reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
+            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(kl_transform.last_kl),
+            seq_kl=float(kl_transform.last_seq_kl), seq_kl_t=kl_transform.last_seq_kl, tokens=int(n_tok),
+        )  # fmt: skip
+    v = torch.stack([
+        score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
+        kl_transform.last_kl.to(score.device), kl_transform.last_seq_kl.to(score.device) * B,
+    ]).to(torch.float64)  # fmt: skip
+    total = _all_reduce(v, pg).tolist()
+    episodes = max(total[3], 1.0)
+    seq_kl = total[5] / episodes
+    return dict(
+        reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
+        episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
+        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=kl_transform.last_seq_kl.device),
+        tokens=int(total[2]),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(**vars(args))
     t0 = time.perf_counter()
     rows = train(cfg)
-    if rows:
+    if rows and int(os.environ.get("RANK", 0)) == 0:
         k = min(5, len(rows))
         first = sum(r["reward"] for r in rows[:k]) / k
         last = sum(r["reward"] for r in rows[-k:]) / k
