@@ -463,7 +463,8 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                 break
             if signal[2] > 0:
                 skipped += 1
-                _log_skip(rank, f"non-finite loss {_loss_terms(out)}", epoch, j)
+                if not torch.isfinite(total.detach()):  # the rank(s) whose loss it is say so
+                    _log_skip(rank, process_group, f"non-finite loss {_loss_terms(out)}", epoch, j)
                 continue
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -477,7 +478,9 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
                 skipped += 1
-                _log_skip(rank, f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})", epoch, j)
+                if rank == 0:  # the gradients are all-reduced: the same on every rank
+                    why = f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})"
+                    _log_skip(rank, process_group, why, epoch, j)
                 continue
             for opt in optimizers:
                 opt.step()
@@ -505,10 +508,10 @@ def _loss_terms(out: TensorDictBase) -> dict[str, float]:
     return {k: float(v.detach()) for k, v in out.items() if k.startswith("loss_")}
 
 
-def _log_skip(rank: int, why: str, epoch: int, minibatch: int) -> None:
-    if rank == 0:
-        print(f"ppo_update: {why} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
-              "(counted in skipped_steps)", file=sys.stderr, flush=True)
+def _log_skip(rank: int, process_group, why: str, epoch: int, minibatch: int) -> None:
+    where = f" on rank {rank}" if process_group is not None else ""
+    print(f"ppo_update: {why}{where} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
+          "(on every rank; counted in skipped_steps)", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #

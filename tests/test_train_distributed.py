@@ -242,6 +242,18 @@ def _ddp_worker(rank, init_file, results_dir):
         stats = T.ppo_update(llm, ddp_loss, ac, opts, cfg, torch.Generator().manual_seed(0), process_group=pg)
         res["params"], res["stats"] = _params(ac), stats
         T._check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+        # a NaN loss on rank 1 alone: both ranks skip the step (no collective left waiting)
+        before, forward = _params(ac), ddp_loss.forward
+
+        def nan_on_rank_1(tensordict, **kw):
+            out = forward(tensordict, **kw)
+            if rank == 1:
+                out.set("loss_objective", out["loss_objective"] * float("nan"))
+            return out
+
+        ddp_loss.forward = nan_on_rank_1
+        res["nan_stats"] = T.ppo_update(llm, ddp_loss, ac, opts, cfg, torch.Generator(), process_group=pg)
+        res["nan_params_unchanged"] = torch.equal(_params(ac), before)
         # a rank whose parameters drifted is caught
         with torch.no_grad():
             ac.critic_head.weight.add_(1e-6 * rank)
@@ -275,6 +287,12 @@ def test_ddp_update_on_two_ranks_equals_one_process_on_the_concatenated_batch(dd
     torch.testing.assert_close(ddp_update[0]["params"], _params(ac), atol=1e-6, rtol=1e-5)
     for key in ("loss_objective", "loss_critic", "grad_norm", "kl_approx_max"):
         assert ddp_update[0]["stats"][key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key
+
+
+def test_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(ddp_update):
+    for res in ddp_update:
+        assert res["nan_stats"]["skipped_steps"] == 1 and res["nan_stats"]["updates"] == 0
+        assert res["nan_params_unchanged"]
 
 
 def test_parameter_drift_between_ranks_is_detected(ddp_update):
