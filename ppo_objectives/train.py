@@ -441,13 +441,16 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     """
     B = llm.batch_size[0]
     rank = dist.get_rank(process_group) if process_group is not None else 0
+    # minibatches per epoch: the same on every rank, none empty on the rank with the most rows
+    most_rows = _all_reduce(torch.tensor(B, device=llm.device), process_group, dist.ReduceOp.MAX)
+    n_minibatches = min(cfg.minibatches, int(most_rows))  # 0 for an empty batch: no step at all
     actor_params, critic_params = ac.actor_parameters(), ac.critic_parameters()
     all_params = list({id(p): p for p in actor_params + critic_params}.values())
     sums: dict[str, float] = {}
     steps, kl_max, stopped, grad_norm, skipped = 0, 0.0, False, 0.0, 0
-    for epoch in range(cfg.ppo_epochs):
+    for epoch in range(cfg.ppo_epochs if n_minibatches else 0):
         perm = torch.randperm(B, generator=generator).to(llm.device)
-        for j, idx in enumerate(torch.tensor_split(perm, cfg.minibatches)):  # the same count on every rank
+        for j, idx in enumerate(torch.tensor_split(perm, n_minibatches)):
             mb = llm[idx]
             norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
             out = loss_module(mb, normalizer=norm)

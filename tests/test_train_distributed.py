@@ -254,6 +254,12 @@ def _ddp_worker(rank, init_file, results_dir):
         ddp_loss.forward = nan_on_rank_1
         res["nan_stats"] = T.ppo_update(llm, ddp_loss, ac, opts, cfg, torch.Generator(), process_group=pg)
         res["nan_params_unchanged"] = torch.equal(_params(ac), before)
+        # rank 1 holds 2 rows for 4 minibatches (two of its minibatches are empty): no hang, same steps
+        ddp_loss.forward = forward
+        few = llm if rank == 0 else llm[:2]
+        cfg4 = T.TrainConfig(num_envs=16, preset="pico", ppo_epochs=1, minibatches=4, early_stop_kl=0.0)
+        res["few_stats"] = T.ppo_update(few, ddp_loss, ac, opts, cfg4, torch.Generator(), process_group=pg)
+        res["few_params"] = _params(ac)
         # a rank whose parameters drifted is caught
         with torch.no_grad():
             ac.critic_head.weight.add_(1e-6 * rank)
@@ -293,6 +299,11 @@ def test_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(ddp_update):
     for res in ddp_update:
         assert res["nan_stats"]["skipped_steps"] == 1 and res["nan_stats"]["updates"] == 0
         assert res["nan_params_unchanged"]
+
+
+def test_a_rank_with_fewer_rows_than_minibatches_takes_the_same_steps(ddp_update):
+    assert ddp_update[0]["few_stats"]["updates"] == ddp_update[1]["few_stats"]["updates"] == 4
+    assert torch.equal(ddp_update[0]["few_params"], ddp_update[1]["few_params"])
 
 
 def test_parameter_drift_between_ranks_is_detected(ddp_update):
