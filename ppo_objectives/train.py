@@ -166,7 +166,7 @@ class TrainConfig:
     digits: int = _f(3, "digits per operand of the task")
     preset: str = _f("nano", "TinyCausalLM size preset", choices=("pico", "nano", "micro"))
     shared_trunk: bool = _f(False, "critic value head on the actor's trunk instead of its own copy")
-    num_envs: int = _f(64, "parallel env rows N (responses per rollout ~ N)")
+    num_envs: int = _f(64, "parallel env rows N (responses per rollout ~ N; per rank under torchrun)")
     workers: int = _f(1, "collector processes: 1 = Collector in-process, >1 = MultiSyncCollector")
     warmup_steps: int = _f(150, "supervised warm-start steps teaching the answer format (random digits)")
     warmup_lr: float = _f(3e-3, "warm-start learning rate")
@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ppo_objectives.train",
         description="Token-level PPO with a critic on a toy digit task (TorchRL collector -> "
-        "KLPenaltyTransform -> MaskedGAE -> TokenPPOLoss). Metrics are explained in the module docstring: "
-        "python -c 'import ppo_objectives.train as t; help(t)'",
+        "KLPenaltyTransform -> MaskedGAE -> TokenPPOLoss). Data-parallel: torchrun --nproc_per_node N -m "
+        "ppo_objectives.train ... (gloo on CPU, nccl with --device cuda). Metrics are explained in the module "
+        "docstring: python -c 'import ppo_objectives.train as t; help(t)'",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in fields(TrainConfig):
