@@ -100,7 +100,7 @@ def part1():
 
 def part2():
     print("\n== 2. the training loop under torchrun (gloo on CPU; --device cuda uses nccl, one GPU per rank)")
-    iterations = "2" if SMOKE else "40"
+    iterations = "2" if SMOKE else "150"  # ~1-2 minutes on 2 CPU cores; the reward climbs from ~0.3 to ~0.7
     small = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5"] if SMOKE else []
     with tempfile.TemporaryDirectory() as out:
         cmd = ["torchrun", "--nproc_per_node", "2", "-m", "ppo_objectives.train", "--iterations", iterations,
