@@ -623,10 +623,16 @@ def masked_gae_reference(
         tensor([[0.2500, 0.5000, 1.0000]])
     """
     out_dtype = values.dtype if isinstance(values, Tensor) else None
-    r, v, m, gamma, lam, boot, cd = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
+    r, v, m, gamma, lam, boot, _ = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
+    adv = _gae_loop(r, v, m, gamma, lam, boot)
+    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
+
+
+def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None) -> Tensor:
+    """Raw advantages ``[N, R]`` of validated rows: the backward loop over valid tokens."""
     N, R = r.shape
-    next_v = torch.zeros(N, dtype=cd, device=r.device) if boot is None else boot
-    next_a = torch.zeros(N, dtype=cd, device=r.device)
+    next_v = r.new_zeros(N) if boot is None else boot
+    next_a = r.new_zeros(N)
     adv = torch.zeros_like(r)
     for t in range(R - 1, -1, -1):
         valid = m[:, t]
@@ -635,7 +641,7 @@ def masked_gae_reference(
         adv[:, t] = torch.where(valid, a, 0.0)
         next_v = torch.where(valid, v[:, t], next_v)
         next_a = torch.where(valid, a, next_a)
-    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
+    return adv
 
 
 def masked_gae(
@@ -705,11 +711,9 @@ def masked_gae(
     r, v, m, gamma_, lam_, boot, _ = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
     chosen = _gae_fast.select_backend(r.device, backend)
     if chosen == "loop":
-        return masked_gae_reference(
-            token_rewards, values, mask, gamma, lam, normalize=normalize, bootstrap_value=bootstrap_value,
-            process_group=process_group,
-        )
-    kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
+        kernel = _gae_loop
+    else:
+        kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
     adv = torch.zeros_like(r) if r.numel() == 0 else kernel(r, v, m, gamma_, lam_, boot)
     return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
