@@ -283,7 +283,8 @@ class MaskedGAE(ValueEstimatorBase):
         )
         for name, x in (("gamma", gamma), ("lmbda", lmbda)):
             F._check_unit_interval(name, x)
-            self.register_buffer(name, torch.as_tensor(x, dtype=torch.float32, device=self._device).clone())
+            # float64, cast to the data's compute dtype at use: float64 batches get the exact hyper-parameter
+            self.register_buffer(name, torch.as_tensor(x, dtype=torch.float64, device=self._device).clone())
         self.average_gae = bool(average_gae)
 
     @property

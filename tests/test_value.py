@@ -40,7 +40,7 @@ def naive_collector_gae(r, v, nv, mask, done, term, gamma, lmbda):
             adv[i][t] = a
             nxt = (v[i][t], a)
     ret = [[adv[i][t] + v[i][t] if mask[i][t] else 0.0 for t in range(T)] for i in range(N)]
-    return torch.tensor(adv), torch.tensor(ret)
+    return torch.tensor(adv, dtype=torch.float64), torch.tensor(ret, dtype=torch.float64)  # Python floats are float64
 
 
 def collector_batch(N=3, T=10, seed=0, p_done=0.25, device="cpu", trailing=True):
@@ -173,8 +173,8 @@ def test_collector_layout_with_mask_equals_naive_loop(seed):
         0.9,
         0.8,
     )
-    torch.testing.assert_close(out["advantage"], adv)
-    torch.testing.assert_close(out["value_target"], ret)
+    torch.testing.assert_close(out["advantage"], adv.float())
+    torch.testing.assert_close(out["value_target"], ret.float())
 
 
 @settings(max_examples=30, deadline=None)
@@ -233,7 +233,7 @@ def test_flags_default_like_torchrl_when_only_done_or_terminated_is_given():
         td["next", "reward"].tolist(), td["state_value"].tolist(), td["next", "state_value"].tolist(),
         [[True] * 10] * 3, term, term, 0.9, 0.9,
     )  # fmt: skip
-    torch.testing.assert_close(MaskedGAE(0.9, 0.9)(only_term)["advantage"], adv)
+    torch.testing.assert_close(MaskedGAE(0.9, 0.9)(only_term)["advantage"], adv.float())
 
 
 # --------------------------------------------------------------------------- masked positions
