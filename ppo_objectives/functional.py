@@ -890,7 +890,9 @@ def ppo_policy_loss(
         return_stats: also return a dict of detached, masked diagnostics:
             ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
             ``clipfrac``), ``clip_fraction_low``, ``clip_fraction_high``,
-            ``approx_kl`` (:func:`approx_kl`), ``ratio_mean``, ``ratio_max``,
+            ``approx_kl`` (:func:`approx_kl`), ``approx_kl_max`` (its largest
+            per-token value ``max_t 0.5 (new - old)^2``: a spike on one token that the
+            mean hides), ``ratio_mean``, ``ratio_max``,
             ``ess`` (normalised effective sample size of the ratios,
             ``(sum w)^2 / (n sum w^2)``, 1 when all ratios are equal) and
             ``dual_clip_fraction``.
@@ -948,6 +950,8 @@ def ppo_policy_loss(
             "clip_fraction_high": fm(high),
             "dual_clip_fraction": fm(dual),
             "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
+            # log_ratio is 0 at masked positions, so the max of an empty mask is 0
+            "approx_kl_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
             "ratio_mean": masked_mean(r, m),
             # ratios are positive, so a 0 appended makes the max of an empty mask 0
             "ratio_max": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),

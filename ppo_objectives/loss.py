@@ -109,7 +109,8 @@ class TokenPPOLoss(LossModule):
     * detached diagnostics, every one masked to the valid tokens: ``clip_fraction``,
       ``clip_fraction_low``, ``clip_fraction_high`` (ratio outside the clip range),
       ``kl_approx`` (mean of ``0.5 (log_prob - sample_log_prob)^2``, MiniMind's early-stop
-      signal, see ``early_stop_kl``), ``ratio_mean``, ``ratio_max``, ``ESS`` (normalised
+      signal, see ``early_stop_kl``), ``kl_approx_token_max`` (its largest per-token value),
+      ``ratio_mean``, ``ratio_max``, ``ESS`` (normalised
       effective sample size of the ratios, in (0, 1]), ``kl_ref`` (the aggregated
       reference KL, when ``ref_log_prob`` is given), ``entropy`` (when the actor writes
       it), ``value_clip_fraction`` (tokens whose clipped value branch is active),
@@ -550,6 +551,7 @@ class TokenPPOLoss(LossModule):
         out.set("clip_fraction_low", stats["clip_fraction_low"])
         out.set("clip_fraction_high", stats["clip_fraction_high"])
         out.set("kl_approx", stats["approx_kl"])
+        out.set("kl_approx_token_max", stats["approx_kl_max"])
         out.set("ratio_mean", stats["ratio_mean"])
         out.set("ratio_max", stats["ratio_max"])
         out.set("ESS", stats["ess"])

@@ -10,8 +10,9 @@ One iteration (MiniMind's PPO stage, on TorchRL components)::
     MaskedGAE (gamma=1, lambda=0.95, whitened)          -> advantage, value_target
     for epoch in ppo_epochs: for minibatch:             TokenPPOLoss -> backward
         clip grad norm 1.0, AdamW step (actor, critic)
-        stop all remaining steps once kl_approx > early_stop_kl
+        once kl_approx > early_stop_kl: undo the step that crossed it, stop (trust region)
         skip the step when the loss or a gradient norm is not finite
+    collapse guard (ppo_objectives.monitor)             -> warn_* / collapse columns, warning lines
     KL controller update (fixed by default, --adaptive-kl for Ziegler et al.)
 
 The default job teaches a ~0.1M-parameter TinyCausalLM to reverse 3 digits
@@ -71,7 +72,12 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
     ``mean(0.5 (log pi_new - log pi_old)^2)`` over valid tokens (the k2 estimate of the
     KL to the behaviour policy), averaged over the steps taken; MiniMind's early-stop signal.
 ``kl_approx_max``
-    Its largest value over the minibatch steps (what ``--early-stop-kl`` compares).
+    Its largest value over the minibatch checks of this iteration (what ``--early-stop-kl``
+    compares), including the check that made a step be undone.
+``kl_token_max``
+    The largest *per-token* ``0.5 (log pi_new - log pi_old)^2`` seen by those checks: what the
+    mean hides. Large values are routine on tokens sampled with a small probability and pushed
+    lower (little probability mass moves); a large value with a large ``kl_approx_max`` is a jump.
 ``clip_fraction``
     Fraction of valid tokens whose ratio is outside ``[1-eps, 1+eps]`` (mean over steps).
 ``ratio_max`` / ``ess``
@@ -81,7 +87,12 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
 ``explained_variance``
     ``1 - Var(G - V) / Var(G)`` of the returns by the critic (1 = perfect, <= 0 = useless).
 ``updates`` / ``early_stopped``
-    Optimizer steps taken this iteration, and 1 when the approx-KL early stop fired.
+    Optimizer steps kept this iteration, and 1 when the approx-KL early stop fired.
+``rolled_back`` / ``step_fraction``
+    1 when the step that took ``kl_approx`` past ``--early-stop-kl`` was pulled back, and the
+    fraction of that step kept: 0.5, 0.25 or 0.125 (backtracking until the policy is inside the
+    limit), 0 when it was undone (parameters and AdamW state restored), 1 when no step crossed.
+    ``--no-rollback`` keeps the crossing step whole, as MiniMind does.
 ``skipped_steps``
     Minibatch steps skipped by the non-finite guard this iteration: the summed loss
     (on any rank) or a pre-clip gradient norm was NaN/inf, so no optimizer stepped and
@@ -90,14 +101,28 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
     Mean pre-clip gradient norm of the actor (clipped to ``--max-grad-norm``).
 ``rollout_s`` / ``update_s`` / ``tokens_per_s``
     Wall time of the rollout and of the PPO updates; generated tokens per rollout second.
+``warn_min_len`` / ``warn_zero_reward`` / ``warn_entropy`` / ``warn_kl_spike``
+    1 when :class:`~ppo_objectives.monitor.CollapseGuard` flags this iteration: responses at
+    their shortest (``response_len <= 1.5``, EOS first), ``reward < 0.05``, ``entropy < 0.05``
+    while ``exact < 0.5`` (deterministic without solving the task), ``kl_approx_max > 1.0``
+    (one step jumped four times past the trust region; pulled back when ``rolled_back``).
+    Each event is also a ``WARNING ppo: iteration N: ...`` line on stderr and a ``warn=``
+    field on the progress bar.
+``collapse``
+    1 while the run is collapsed: 5 or more bad iterations (``min_len``, ``zero_reward`` or
+    ``entropy``) in a row. The plot shades flagged iterations orange and collapsed ones red,
+    and a run that collapsed ends with a :class:`TrainingCollapseWarning`.
 
 Under ``torchrun`` the rollout numbers (``reward``, ``exact``, ``response_len``,
 ``seq_kl``) are over the responses of all ranks, ``episodes`` and ``tokens_per_s``
 are totals, ``kl_approx`` is the token-weighted global value, and the other update
 diagnostics are the mean of the ranks' values.
 
+The plot ``DIR/training.png`` is redrawn at every checkpoint, one axis per signal
+(:func:`ppo_objectives.monitor.plot_metrics`).
+
 Checkpoints: ``DIR/checkpoint.pt`` (actor, critic, reference, both optimizers, KL
-controller, RNG states of every rank, iteration; no learning-rate scheduler is
+controller, collapse guard, RNG states of every rank, iteration; no learning-rate scheduler is
 used), written atomically (temporary file +
 ``os.replace``) every ``--save-every`` iterations and at the end; ``--resume``
 continues from it and appends to ``metrics.csv`` (dropping any rows logged after that
@@ -124,6 +149,8 @@ from tensordict.nn import TensorDictModule
 from ppo_objectives import functional as F
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.monitor import FLAGS, CollapseGuard
+from ppo_objectives.monitor import plot_metrics as _plot
 from ppo_objectives.models import (
     ActorCritic,
     ResponseLogProbs,
@@ -134,13 +161,14 @@ from ppo_objectives.models import (
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
-__all__ = ["TrainConfig", "build_parser", "main", "ppo_update", "rollout_batch", "train"]
+__all__ = ["TrainConfig", "TrainingCollapseWarning", "build_parser", "main", "ppo_update", "rollout_batch", "train"]
 
 METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
-    "clip_fraction", "ratio_max", "ess", "value_clip_fraction", "explained_variance", "updates",
-    "early_stopped", "skipped_steps", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
+    "kl_token_max", "clip_fraction", "ratio_max", "ess", "value_clip_fraction", "explained_variance", "updates",
+    "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
+    *(f"warn_{f}" for f in FLAGS), "collapse",
 )  # fmt: skip
 
 
@@ -170,7 +198,8 @@ class TrainConfig:
     workers: int = _f(1, "collector processes: 1 = Collector in-process, >1 = MultiSyncCollector")
     warmup_steps: int = _f(150, "supervised warm-start steps teaching the answer format (random digits)")
     warmup_lr: float = _f(3e-3, "warm-start learning rate")
-    lr: float = _f(1e-3, "actor AdamW learning rate")
+    lr: float = _f(3e-4, "actor AdamW learning rate (1e-3 makes single steps cross the trust region far more "
+                         "often; see benchmarks/README.md)")
     critic_lr: float = _f(1e-3, "critic AdamW learning rate")
     ppo_epochs: int = _f(4, "passes over each rollout")
     minibatches: int = _f(4, "minibatches per pass")
@@ -184,7 +213,10 @@ class TrainConfig:
     adaptive_kl: bool = _f(False, "adapt beta towards --kl-target (Ziegler et al. 2019)")
     kl_target: float = _f(1.0, "target per-sequence KL (nats) of the adaptive controller")
     kl_loss_coef: float = _f(0.0, "in-loss reference KL weight (MiniMind: 0.02, k3); 0 = off")
-    early_stop_kl: float = _f(0.25, "stop the PPO epochs when kl_approx exceeds it (MiniMind 0.25)")
+    early_stop_kl: float = _f(0.25, "approx-KL trust region: the PPO epochs stop when kl_approx exceeds it, and "
+                                    "the step that took it there is undone (MiniMind stops at 0.25); 0 = off")
+    no_rollback: bool = _f(False, "keep the step that took kl_approx past --early-stop-kl (MiniMind's early stop) "
+                                  "instead of undoing it")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
     save_every: int = _f(25, "iterations between checkpoints")
     no_plot: bool = _f(False, "do not write training.png")
@@ -429,16 +461,35 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
     return llm
 
 
+_BACKTRACK = (0.5, 0.25, 0.125)  # fractions of a crossing step tried before it is undone (TRPO's backtracking)
+_LOGGED = ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "clip_fraction",
+           "ratio_max", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
+
+
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,
                generator: torch.Generator, *, process_group=None) -> dict[str, float]:
     """MiniMind's update: ``ppo_epochs`` x ``minibatches`` AdamW steps on the summed ``loss_*``,
-    grad-norm clipped; the first step whose ``kl_approx`` exceeds ``early_stop_kl`` is not applied
-    and ends the update (no further optimizer steps this iteration). A step whose summed loss or
-    pre-clip gradient norm is not finite is skipped (counted in ``skipped_steps``).
+    grad-norm clipped, with an approx-KL trust region that holds.
+
+    Every minibatch's forward measures ``kl_approx`` (the k2 KL of the current policy to the
+    rollout policy) before its step. Once it exceeds ``early_stop_kl`` the update ends, and
+    (unless ``cfg.no_rollback``) the step that took it there is **pulled back**, as TRPO's
+    backtracking line search does: the parameters are moved back to 1/2, 1/4, then 1/8 of
+    that step, each measured on the same minibatch, and the first fraction inside the limit
+    is kept; when none is, the step is undone (parameters and optimizer states as before
+    it). So no kept step leaves the policy past the limit, and a policy standing at a cliff
+    of the loss surface still moves. After the last step one more forward (no gradient)
+    measures the final policy, so the last step is checked too. Without the rollback (MiniMind's early
+    stop) the crossing step is kept: one AdamW step can move a token's log-probability by
+    several nats (a policy that jumps to EOS-first answers), and the check only stops the
+    steps after it.
+
+    A step whose summed loss or pre-clip gradient norm is not finite is skipped (counted in
+    ``skipped_steps``).
 
     With a ``process_group`` (``loss_module`` calling DDP-wrapped networks): each step divides by
-    the valid-token count of all ranks, and the early stop and the non-finite guard decide on
-    all-reduced numbers, so every rank takes the same steps (the same number of collectives).
+    the valid-token count of all ranks, and the early stop, the rollback and the non-finite guard
+    decide on all-reduced numbers, so every rank takes (and undoes) the same steps.
     """
     B = llm.batch_size[0]
     rank = dist.get_rank(process_group) if process_group is not None else 0
@@ -447,25 +498,59 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     n_minibatches = min(cfg.minibatches, int(most_rows))  # 0 for an empty batch: no step at all
     actor_params, critic_params = ac.actor_parameters(), ac.critic_parameters()
     all_params = list({id(p): p for p in actor_params + critic_params}.values())
+    rollback = bool(cfg.early_stop_kl) and not cfg.no_rollback
     sums: dict[str, float] = {}
-    steps, kl_max, stopped, grad_norm, skipped = 0, 0.0, False, 0.0, 0
+    steps, kl_max, kl_token_max, stopped, grad_norm, skipped = 0, 0.0, 0.0, False, 0.0, 0
+    snapshot, last, first = None, None, None  # state before the last step, its logged numbers, the first forward's
+    kept = 1.0  # fraction of the crossing step kept by the trust region (1: nothing crossed)
+
+    def measure(out, mb):
+        """(kl_approx, its largest per-token value, some rank's loss is not finite), over all ranks."""
+        total = sum(v for k, v in out.items() if k.startswith("loss_"))
+        n = mb["mask"].sum().to(torch.float32)
+        signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
+        signal = _all_reduce(signal, process_group).tolist()  # host sync: the decisions need numbers
+        tok = _all_reduce(out["kl_approx_token_max"].detach().float().clone(), process_group, dist.ReduceOp.MAX)
+        kl = signal[0] / max(signal[1], 1.0) if process_group is not None else float(out["kl_approx"])
+        return total, kl, float(tok), signal[2] > 0
+
+    def pull_back_last_step(measured_on):
+        """The last step crossed the limit: shorten it (1/2, 1/4, 1/8 of it, measured on
+        ``measured_on``) until the policy is back inside, else undo it. Returns the fraction kept."""
+        nonlocal steps, grad_norm, kl_token_max
+        after = [p.detach().clone() for p in all_params]
+        for frac in _BACKTRACK:
+            with torch.no_grad():
+                for p, a, b in zip(all_params, snapshot[0], after):
+                    p.copy_(torch.lerp(a, b, frac))
+                norm = F.loss_normalizer(measured_on["mask"], loss_module.loss_agg_mode, process_group=process_group)
+                _, kl, tok, _ = measure(loss_module(measured_on, normalizer=norm), measured_on)
+            if kl <= cfg.early_stop_kl:
+                kl_token_max = max(kl_token_max, tok)
+                return frac  # AdamW keeps the moments of the gradient it saw
+        _restore(snapshot, all_params, optimizers)  # parameters and AdamW state as before the step
+        steps, grad_norm = steps - 1, grad_norm - last["grad_norm"]
+        for k, v in last["sums"].items():
+            sums[k] -= v
+        return 0.0
+
+    mb = None
     for epoch in range(cfg.ppo_epochs if n_minibatches else 0):
         perm = torch.randperm(B, generator=generator).to(llm.device)
         for j, idx in enumerate(torch.tensor_split(perm, n_minibatches)):
             mb = llm[idx]
             norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
             out = loss_module(mb, normalizer=norm)
-            total = sum(v for k, v in out.items() if k.startswith("loss_"))
-            # one all-reduce for both decisions: token-weighted approx-KL and "some rank's loss is not finite"
-            n = mb["mask"].sum().to(torch.float32)
-            signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
-            signal = _all_reduce(signal, process_group).tolist()  # host sync: the decisions need numbers
-            kl_now = signal[0] / max(signal[1], 1.0) if process_group is not None else float(out["kl_approx"])
-            kl_max = max(kl_max, kl_now)
+            total, kl_now, kl_tok, nonfinite = measure(out, mb)
+            kl_max, kl_token_max = max(kl_max, kl_now), max(kl_token_max, kl_tok)
+            if first is None and not nonfinite:
+                first = {k: float(out[k].detach()) for k in _LOGGED if k in out.keys()}
             if cfg.early_stop_kl and kl_now > cfg.early_stop_kl:
                 stopped = True  # this minibatch's step is not taken, nor any later one
+                if rollback and snapshot is not None:  # ... and the step that crossed the limit is taken back
+                    kept = pull_back_last_step(mb)
                 break
-            if signal[2] > 0:
+            if nonfinite:
                 skipped += 1
                 if not torch.isfinite(total.detach()):  # the rank(s) whose loss it is say so
                     _log_skip(rank, process_group, f"non-finite loss {_loss_terms(out)}", epoch, j)
@@ -486,16 +571,27 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                     why = f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})"
                     _log_skip(rank, process_group, why, epoch, j)
                 continue
+            if rollback:
+                snapshot = _snapshot(all_params, optimizers)
             for opt in optimizers:
                 opt.step()
             steps += 1
-            grad_norm += float(gn)
-            for k in ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx",
-                      "clip_fraction", "ratio_max", "ESS", "value_clip_fraction", "explained_variance"):
-                if k in out.keys():
-                    sums[k] = sums.get(k, 0.0) + float(out[k].detach())
+            last = dict(grad_norm=float(gn), sums={k: float(out[k].detach()) for k in _LOGGED if k in out.keys()})
+            grad_norm += last["grad_norm"]
+            for k, v in last["sums"].items():
+                sums[k] = sums.get(k, 0.0) + v
         if stopped:
             break
+    if rollback and steps and not stopped:  # the policy after the last step: one more forward
+        with torch.no_grad():
+            norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
+            _, kl_now, kl_tok, _ = measure(loss_module(mb, normalizer=norm), mb)
+        kl_max, kl_token_max = max(kl_max, kl_now), max(kl_token_max, kl_tok)
+        if kl_now > cfg.early_stop_kl:
+            stopped = True
+            kept = pull_back_last_step(mb)
+    if not steps and first is not None:  # no step kept: the diagnostics of the unchanged policy
+        sums = dict(first)
     keys = sorted(sums)
     if process_group is not None and keys:  # the mean of the ranks' diagnostics (every rank took the same steps)
         world = dist.get_world_size(process_group)
@@ -503,9 +599,32 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                               process_group).tolist()
         sums = {k: v / world for k, v in zip(keys, reduced)}
     stats = {k.lower(): v / max(steps, 1) for k, v in sums.items()}
-    stats.update(updates=steps, early_stopped=int(stopped), skipped_steps=skipped, kl_approx_max=kl_max,
-                 grad_norm=grad_norm / max(steps, 1))
+    stats.update(updates=steps, early_stopped=int(stopped), rolled_back=int(kept < 1.0), step_fraction=kept,
+                 skipped_steps=skipped,
+                 kl_approx_max=kl_max, kl_token_max=kl_token_max, grad_norm=grad_norm / max(steps, 1))
     return stats
+
+
+def _snapshot(params, optimizers) -> tuple[list[torch.Tensor], list[dict]]:
+    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step)."""
+    states = [{p: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+               for g in opt.param_groups for p in g["params"] if p in opt.state} for opt in optimizers]  # fmt: skip
+    return [p.detach().clone() for p in params], states
+
+
+def _restore(snapshot, params, optimizers) -> None:
+    """Put back what :func:`_snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
+    saved_params, states = snapshot
+    with torch.no_grad():
+        for p, saved in zip(params, saved_params):
+            p.copy_(saved)
+    for opt, saved in zip(optimizers, states):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p in saved:
+                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
+                else:  # the snapshot was taken before this parameter's first step
+                    opt.state.pop(p, None)
 
 
 def _loss_terms(out: TensorDictBase) -> dict[str, float]:
@@ -562,32 +681,8 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 
 def plot_metrics(csv_path: Path, png_path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(csv_path)
-    it = [r["iteration"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [
-        ("reward", ["reward", "exact"]),
-        ("KL", ["kl_ref", "kl_approx"]),
-        ("losses", ["loss_objective", "loss_critic"]),
-        ("policy / critic", ["entropy", "explained_variance", "clip_fraction"]),
-    ]
-    for ax, (title, keys) in zip(axes.flat, panels):
-        for k in keys:
-            ax.plot(it, [r.get(k, float("nan")) for r in rows], label=k)
-        ax.set_title(title)
-        ax.set_xlabel("iteration")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = png_path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    """Plot ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.monitor.plot_metrics`)."""
+    _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
 # --------------------------------------------------------------------------- #
@@ -666,6 +761,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
         else FixedKLController(cfg.kl_coef)
     ).to(device)
     kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
+    guard = CollapseGuard()  # flags collapsing iterations (ppo_objectives.monitor)
     # one process: GAE whitens its batch; torchrun: rollout_batch whitens over all ranks' tokens
     gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=pg is None, device=device)
     loss_module = TokenPPOLoss(
@@ -693,6 +789,8 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
         actor_opt.load_state_dict(ckpt["actor_opt"])
         critic_opt.load_state_dict(ckpt["critic_opt"])
         controller.load_state_dict(ckpt["kl_controller"])
+        if "collapse_guard" in ckpt:
+            guard.load_state_dict(ckpt["collapse_guard"])
         start_it = int(ckpt["iteration"])
         if d.main:
             _truncate_metrics(csv_path, start_it)
@@ -725,7 +823,8 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
             actor_model=ac.actor_model.state_dict(), critic_model=ac.critic_model.state_dict(),
             critic_head=ac.critic_head.state_dict(), reference=ref.module.model.state_dict(),
             actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
-            kl_controller=controller.state_dict(), **rank_rng[0], rank_rng=rank_rng,
+            kl_controller=controller.state_dict(), collapse_guard=guard.state_dict(), **rank_rng[0],
+            rank_rng=rank_rng,
         )  # fmt: skip
 
     rows: list[dict[str, float]] = []
@@ -759,16 +858,25 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
                 tokens_per_s=n_tok / max(t1 - t0, 1e-9),
                 **stats,
             )
+            # 4. the collapse guard: warn_* / collapse columns, a warning line per event
+            warnings_now = guard.update(row)
             rows.append(row)
             if d.main:
                 _append_metrics(csv_path, row)
+                for line in warnings_now:
+                    _warn(line, bar)
             if bar is not None:
-                bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}")
+                bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}",
+                                **({"warn": "COLLAPSE" if row["collapse"] else "+".join(
+                                    f for f in FLAGS if row[f"warn_{f}"])} if guard.streak or row["warn_kl_spike"]
+                                   else {}))  # fmt: skip
                 bar.update(1)
             if (it + 1) % cfg.save_every == 0 or it + 1 == cfg.iterations:
                 st = state(it + 1)
                 if d.main:
                     _save_checkpoint(ckpt_path, st)
+                    if not cfg.no_plot:  # the plot follows the run, not only its end
+                        plot_metrics(csv_path, out / "training.png")
         _check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
         if pg is not None and d.main:
             print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
@@ -780,7 +888,25 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
         ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
     if d.main and not cfg.no_plot and csv_path.exists():
         plot_metrics(csv_path, out / "training.png")
+    if d.main and guard.collapses:
+        import warnings
+
+        warnings.warn(f"the PPO run in {out} collapsed: {guard.summary()}; see the warn_* and collapse columns "
+                      f"of {csv_path} and {out / 'training.png'}", TrainingCollapseWarning, stacklevel=2)
     return rows
+
+
+class TrainingCollapseWarning(RuntimeWarning):
+    """Raised (as a warning) at the end of a run that went through a collapse (:class:`CollapseGuard`)."""
+
+
+def _warn(line: str, bar) -> None:
+    """A warning line on stderr that does not break the progress bar."""
+    text = f"WARNING ppo: {line}"
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
@@ -817,10 +943,14 @@ def main(argv: list[str] | None = None) -> int:
         k = min(5, len(rows))
         first = sum(r["reward"] for r in rows[:k]) / k
         last = sum(r["reward"] for r in rows[-k:]) / k
+        wall = time.perf_counter() - t0
+        collapsed = sum(int(r["collapse"]) for r in rows)
+        spikes = sum(int(r["warn_kl_spike"]) for r in rows)
         print(
             f"reward (mean of {k} iterations): start {first:.3f} -> end {last:.3f}; "
             f"exact-match at the end {rows[-1]['exact']:.2f}; {len(rows)} iterations in "
-            f"{time.perf_counter() - t0:.0f}s; metrics in {Path(cfg.out) / 'metrics.csv'}"
+            f"{wall:.0f}s ({len(rows) / wall:.2f} it/s); collapsed iterations {collapsed}, KL spikes {spikes}; "
+            f"metrics in {Path(cfg.out) / 'metrics.csv'}"
         )
     return 0
 

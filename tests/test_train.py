@@ -73,20 +73,81 @@ def test_one_training_iteration_decreases_the_loss_on_a_fixed_batch():
     assert after < before
 
 
-def test_approx_kl_early_stop_really_stops_the_optimizer_steps():
-    # the first minibatch is on-policy (kl_approx = 0, step taken); after that step the
-    # policy moved, so the next minibatch's kl_approx exceeds the tiny threshold: stop
-    cfg, task, env, ac, kl, gae, loss, opts = _pieces(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12)
+def _rollout(**cfg_kw):
+    cfg, task, env, ac, kl, gae, loss, opts = _pieces(**cfg_kw)
     collector = T.make_collector(cfg, task, ac.policy, env)
     try:
         llm = T.rollout_batch(iter(collector), ac, kl, gae, env.prompt_len, env.max_new_tokens)
     finally:
         collector.shutdown()
+    return cfg, ac, loss, opts, llm
+
+
+def _params(ac):
+    return torch.cat([p.detach().flatten().clone() for p in ac.actor_parameters() + ac.critic_parameters()])
+
+
+def test_approx_kl_early_stop_really_stops_the_optimizer_steps_and_undoes_the_crossing_step():
+    # the first minibatch is on-policy (kl_approx = 0, step taken); after that step the policy
+    # moved, so the next minibatch's kl_approx exceeds the tiny threshold: stop, and take the
+    # first step back -- parameters and AdamW state as before the update
+    cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12)
+    before = _params(ac)
     stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
-    assert stats["updates"] == 1 and stats["early_stopped"] == 1
+    assert stats["updates"] == 0 and stats["early_stopped"] == 1 and stats["rolled_back"] == 1
+    assert stats["step_fraction"] == 0.0  # even 1/8 of the step is past a limit of 1e-12: undone
+    assert torch.equal(_params(ac), before)
+    assert all(not opt.state for opt in opts)  # the undone step was AdamW's first: no state left
+    assert stats["kl_approx_max"] > 1e-12 and stats["kl_token_max"] >= stats["kl_approx_max"]
+
+
+def test_without_rollback_the_crossing_step_is_kept_as_minimind_does():
+    cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12, no_rollback=True)
+    before = _params(ac)
+    stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+    assert stats["updates"] == 1 and stats["early_stopped"] == 1 and stats["rolled_back"] == 0
     steps = [int(s["step"]) for opt in opts for s in opt.state.values()]
     assert steps and set(steps) == {1}  # AdamW really stepped once, not 16 times
-    assert stats["kl_approx_max"] > 1e-12
+    assert not torch.equal(_params(ac), before)
+
+
+def test_the_last_step_of_the_update_is_checked_by_one_more_forward():
+    # one epoch of one minibatch: no later minibatch measures the step, the final check does
+    cfg, ac, loss, opts, llm = _rollout(ppo_epochs=1, minibatches=1, early_stop_kl=1e-12)
+    before = _params(ac)
+    stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+    assert (stats["updates"], stats["rolled_back"], stats["early_stopped"]) == (0, 1, 1)
+    assert torch.equal(_params(ac), before)
+
+
+def test_rollback_keeps_the_kl_of_the_kept_policy_under_the_limit_where_minimind_overshoots():
+    # a reproducer of the overshoot: lr 0.05 makes single AdamW steps far larger than the trust region
+    limit = 0.05
+    results = {}
+    for no_rollback in (False, True):
+        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=1, early_stop_kl=limit, no_rollback=no_rollback)
+        for opt in opts:
+            for g in opt.param_groups:
+                g["lr"] = 0.05
+        stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            out = loss(llm)  # one minibatch = the whole batch: the same tokens the check measured
+        results[no_rollback] = (float(out["kl_approx"]), stats)
+    kept_kl, stats = results[False]
+    assert kept_kl <= limit and stats["rolled_back"] == 1
+    assert stats["step_fraction"] in (0.0, 0.125, 0.25, 0.5)  # backtracked, or undone
+    overshoot, stats_mm = results[True]
+    assert overshoot > limit and stats_mm["rolled_back"] == 0  # MiniMind's early stop keeps the jump
+
+
+def test_rollback_with_a_limit_that_is_never_reached_changes_nothing():
+    runs = []
+    for no_rollback in (False, True):
+        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=2, minibatches=2, early_stop_kl=1e9, no_rollback=no_rollback)
+        stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
+        runs.append((_params(ac), stats))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1]["updates"] == runs[1][1]["updates"] == 4 and runs[0][1]["rolled_back"] == 0
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ This is ``python -m ppo_objectives.train`` written top to bottom, with every
 step in view (CleanRL style): the toy task, the environment where one step is
 one token, a tiny GPT with a KV cache, TorchRL's collector, the KL penalty to
 a frozen reference, masked GAE and the clipped PPO loss with MiniMind's
-schedule (epochs x minibatches, grad clip 1.0, approx-KL early stop).
+schedule (epochs x minibatches, grad clip 1.0) and an approx-KL trust region
+that holds: the step that takes the policy too far from the rollout's is undone.
 
 Run it: ``python tutorials/05_ppo_token_lm.py`` (about two minutes on a laptop CPU).
 ``PPO_TUTORIAL_SMOKE=1`` runs a tiny budget in seconds (the test suite does).
@@ -34,11 +35,11 @@ NUM_ENVS = 16 if SMOKE else 64  # responses per rollout
 PRESET = "pico" if SMOKE else "nano"  # model size
 WARMUP_STEPS = 10 if SMOKE else 150  # supervised steps teaching the answer format
 PPO_EPOCHS, MINIBATCHES = 4, 4  # MiniMind's schedule
-LR, CRITIC_LR = 1e-3, 1e-3
+LR, CRITIC_LR = 3e-4, 1e-3  # the actor's steps must stay small next to the trust region
 CLIP_EPS, CLIP_VALUE, CRITIC_COEF = 0.2, 0.2, 0.5
 GAMMA, LAMBDA = 1.0, 0.95
 KL_COEF = 0.02  # in-reward KL penalty to the reference (k1 per token)
-EARLY_STOP_KL = 0.25  # stop the epochs once kl_approx to the rollout policy exceeds this
+EARLY_STOP_KL = 0.25  # trust region: kl_approx to the rollout policy may not exceed this
 MAX_GRAD_NORM = 1.0
 
 torch.manual_seed(SEED)
@@ -116,15 +117,26 @@ for iteration in range(1, ITERATIONS + 1):
         gae(llm)  # advantage, value_target
     B = llm.batch_size[0]
 
-    # (b) PPO epochs x minibatches on this rollout, MiniMind style
-    updates, stop = 0, False
+    # (b) PPO epochs x minibatches on this rollout, MiniMind style, with a trust region that holds.
+    # Each minibatch's forward measures kl_approx, the KL of the current policy to the rollout's.
+    # Past EARLY_STOP_KL we stop -- and undo the step that got us there: one AdamW step can move
+    # a token's log-prob by several nats (a policy that suddenly answers EOS first), and merely
+    # stopping after it would keep that step.
+    nets = (ac.actor_model, ac.critic_model, ac.critic_head, actor_opt, critic_opt)
+    updates, stop, before_step = 0, False, None
+
+    def trust_region_exceeded(minibatch):
+        with torch.no_grad():
+            return loss_module(minibatch)["kl_approx"].item() > EARLY_STOP_KL
+
     for epoch in range(PPO_EPOCHS):
         perm = torch.randperm(B, generator=gen)
         for idx in perm.split(math.ceil(B / MINIBATCHES)):
             out = loss_module(llm[idx])
-            if out["kl_approx"].item() > EARLY_STOP_KL:  # policy moved too far from the rollout's
+            if out["kl_approx"].item() > EARLY_STOP_KL:  # the last step went too far
                 stop = True
-                break  # this step and every later one are skipped
+                break
+            before_step = copy.deepcopy([n.state_dict() for n in nets])  # to undo this step if needed
             loss = out["loss_objective"] + out["loss_critic"] + out["loss_kl_ref"] + out["loss_entropy"]
             actor_opt.zero_grad()
             critic_opt.zero_grad()
@@ -136,6 +148,10 @@ for iteration in range(1, ITERATIONS + 1):
             updates += 1
         if stop:
             break
+    if updates and (stop or trust_region_exceeded(llm[idx])):  # the last step kept is checked too
+        for n, state in zip(nets, before_step):
+            n.load_state_dict(state)  # undo it: parameters and AdamW moments as before
+        updates, stop = updates - 1, True
     # the collector's policy shares lm's weights: the next rollout uses the new policy
     # (its KV cache notices the new parameter versions and refills)
 
@@ -144,7 +160,7 @@ for iteration in range(1, ITERATIONS + 1):
         print(
             f"iter {iteration:4d}  reward {rewards[-1]:.3f}  exact {(llm['score'] == 1).float().mean().item():.2f}  "
             f"kl_ref {kl_transform.last_kl.item():.4f}  entropy {out['entropy'].item():.3f}  "
-            f"updates {updates}{' (early stop)' if stop else ''}"
+            f"updates {updates}{' (trust region: last step undone)' if stop else ''}"
         )
 collector.shutdown()
 

@@ -1,0 +1,162 @@
+"""The collapse guard and the plot of a run (ppo_objectives.monitor), and both inside the training job."""
+
+import math
+
+import pytest
+import torch
+
+from ppo_objectives import train as T
+from ppo_objectives.envs import DigitTask
+from ppo_objectives.monitor import FLAGS, CollapseGuard, plot_metrics
+from test_train import SMALL
+
+HEALTHY = dict(reward=0.4, exact=0.1, response_len=4.0, entropy=1.5, kl_approx_max=0.05, kl_token_max=9.0,
+               rolled_back=0)  # a large per-token maximum alone is no spike
+EOS_FIRST = dict(reward=0.0, exact=0.0, response_len=1.0, entropy=0.004, kl_approx_max=0.0, kl_token_max=0.0,
+                 rolled_back=0)
+
+
+def _feed(guard, rows):
+    lines = []
+    for i, r in enumerate(rows, 1):
+        lines += guard.update(dict(r, iteration=i))
+    return lines
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        (dict(response_len=1.4), "min_len"),
+        (dict(reward=0.01), "zero_reward"),
+        (dict(entropy=0.01), "entropy"),
+        (dict(kl_approx_max=10.5), "kl_spike"),
+    ],
+)
+def test_each_failure_mode_raises_its_own_flag(change, flag):
+    guard = CollapseGuard()
+    assert guard.flags(HEALTHY) == {}
+    assert set(guard.flags(dict(HEALTHY, **change))) == {flag}
+
+
+def test_a_converged_deterministic_policy_is_not_an_entropy_collapse():
+    solved = dict(HEALTHY, reward=0.99, exact=0.97, entropy=0.003)
+    assert CollapseGuard().flags(solved) == {}
+
+
+def test_missing_or_nan_metrics_raise_no_flag():
+    assert CollapseGuard().flags({}) == {}
+    assert CollapseGuard().flags({k: math.nan for k in HEALTHY}) == {}
+
+
+def test_patience_bad_iterations_in_a_row_make_one_collapse_and_recovery_is_reported():
+    guard = CollapseGuard(patience=3)
+    lines = _feed(guard, [HEALTHY, EOS_FIRST, EOS_FIRST, EOS_FIRST, EOS_FIRST, HEALTHY])
+    assert lines[0].startswith("iteration 2: min_len (response_len 1.00), zero_reward (reward 0.000)")
+    assert lines[1] == (
+        "iteration 4: COLLAPSE: 3 bad iterations in a row (min_len, zero_reward, entropy); the run is not learning"
+    )
+    assert lines[2] == "iteration 6: recovered from the collapse"
+    assert len(lines) == 3  # iteration 3 (streak continuing) and 5 (still collapsed) are quiet
+    assert (guard.collapses, guard.collapse_iterations, guard.collapsed) == (1, 2, False)
+
+
+def test_short_bad_streaks_are_warned_about_but_are_no_collapse():
+    guard = CollapseGuard(patience=5)
+    lines = _feed(guard, [EOS_FIRST] * 4 + [HEALTHY] + [EOS_FIRST] * 4)
+    assert [line.split(":")[0] for line in lines] == ["iteration 1", "iteration 6"]
+    assert guard.collapses == 0 and guard.summary() == "no collapse, no KL spike"
+
+
+def test_update_writes_the_warn_and_collapse_columns_into_the_row():
+    guard = CollapseGuard(patience=1)
+    row = dict(EOS_FIRST, iteration=1, kl_approx_max=7.0, kl_token_max=40.0, rolled_back=1)
+    lines = guard.update(row)
+    assert {f: row[f"warn_{f}"] for f in FLAGS} == dict(min_len=1, zero_reward=1, entropy=1, kl_spike=1)
+    assert row["collapse"] == 1
+    assert lines[-1] == "iteration 1: kl_spike (kl_approx_max 7.00 nats, largest token 40.00, step pulled back)"
+    assert guard.spikes == 1 and "1 collapse(s)" in guard.summary()
+
+
+def test_state_dict_round_trip_continues_the_streak():
+    a = CollapseGuard(patience=4)
+    _feed(a, [EOS_FIRST] * 3)
+    b = CollapseGuard(patience=4)
+    b.load_state_dict(a.state_dict())
+    row = dict(EOS_FIRST, iteration=4)
+    assert b.update(dict(row)) == a.update(dict(row))
+    assert b.collapsed and b.state_dict() == a.state_dict()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(patience=0), "patience=0 must be an int >= 1"),
+        (dict(patience=2.5), "patience=2.5 must be an int >= 1"),
+        (dict(kl_spike=float("nan")), "kl_spike=nan must be a finite number"),
+        (dict(reward_floor=-1.0), "reward_floor=-1.0 must be a finite number >= 0"),
+        (dict(entropy_floor="0.1"), "entropy_floor='0.1' must be a finite number"),
+    ],
+)
+def test_bad_guard_settings_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CollapseGuard(**kw)
+
+
+def test_plot_draws_every_panel_and_shades_flagged_iterations(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    spans = []
+    real = matplotlib.axes.Axes.axvspan
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvspan", lambda self, *a, **k: spans.append(k["color"]) or real(
+        self, *a, **k))
+    guard = CollapseGuard(patience=2)
+    rows = []
+    for i, r in enumerate([HEALTHY, EOS_FIRST, EOS_FIRST, dict(HEALTHY, explained_variance=-3975.0)], 1):
+        r = dict(r, iteration=i, kl_approx=0.01, explained_variance=r.get("explained_variance", 0.3))
+        guard.update(r)
+        rows.append(r)
+    png = tmp_path / "run.png"
+    plot_metrics(rows, png)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    # 8 panels; iteration 2 flagged (orange), 3 collapsed (red)
+    assert spans.count("orange") == 8 and spans.count("red") == 8
+    assert not list(tmp_path.glob("*.tmp.png"))
+
+
+# --------------------------------------------------------------------------- #
+# In the training job
+# --------------------------------------------------------------------------- #
+
+
+def test_a_collapsing_run_says_so_counts_it_and_keeps_its_checkpoint(tmp_path, monkeypatch, capsys):
+    # a task whose reward is always 0: the guard must see "zero_reward" on every iteration
+    monkeypatch.setattr(DigitTask, "reward", lambda self, p, pm, r, rm: torch.zeros(r.shape[0]))
+    with pytest.warns(T.TrainingCollapseWarning, match="collapsed: 1 collapse"):
+        T.main(["--iterations", "6", "--out", str(tmp_path), "--no-plot", *SMALL])
+    err = capsys.readouterr().err
+    assert "WARNING ppo: iteration 1: zero_reward (reward 0.000)" in err
+    assert "WARNING ppo: iteration 5: COLLAPSE: 5 bad iterations in a row (zero_reward" in err
+    rows = T.read_metrics(tmp_path / "metrics.csv")
+    assert [r["warn_zero_reward"] for r in rows] == [1.0] * 6
+    assert [r["collapse"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["collapse_guard"]["collapses"] == 1
+
+
+def test_resume_of_a_collapsing_run_continues_its_streak(tmp_path, monkeypatch):
+    monkeypatch.setattr(DigitTask, "reward", lambda self, p, pm, r, rm: torch.zeros(r.shape[0]))
+    full, split = tmp_path / "full", tmp_path / "split"
+    with pytest.warns(T.TrainingCollapseWarning):
+        T.main(["--iterations", "6", "--out", str(full), "--no-plot", *SMALL])
+    T.main(["--iterations", "3", "--out", str(split), "--no-plot", *SMALL])  # 3 bad: no collapse yet
+    with pytest.warns(T.TrainingCollapseWarning):
+        T.main(["--iterations", "6", "--out", str(split), "--no-plot", "--resume", *SMALL])
+    a, b = T.read_metrics(full / "metrics.csv"), T.read_metrics(split / "metrics.csv")
+    for key in ("collapse", "warn_zero_reward", "reward", "kl_approx", "loss_critic"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-5, abs=1e-7), key
+
+
+def test_the_plot_is_redrawn_at_every_checkpoint(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(T, "_plot", lambda rows, png, title=None: drawn.append(len(rows)))
+    T.main(["--iterations", "5", "--save-every", "2", "--out", str(tmp_path), *SMALL])
+    assert drawn == [2, 4, 5, 5]  # checkpoints at 2, 4, 5 and the end of the run
