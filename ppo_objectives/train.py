@@ -572,7 +572,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
                     _log_skip(rank, process_group, why, epoch, j)
                 continue
             if rollback:
-                snapshot = _snapshot(all_params, optimizers)
+                snapshot = _snapshot(all_params, optimizers, reuse=snapshot)
             for opt in optimizers:
                 opt.step()
             steps += 1
@@ -605,16 +605,32 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     return stats
 
 
-def _snapshot(params, optimizers) -> tuple[list[torch.Tensor], list[dict]]:
-    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step)."""
-    states = [{p: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
-               for g in opt.param_groups for p in g["params"] if p in opt.state} for opt in optimizers]  # fmt: skip
-    return [p.detach().clone() for p in params], states
+def _snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict]]:
+    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
+
+    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
+    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
+    """
+    live = [(opt, p, k, v) for opt in optimizers for g in opt.param_groups for p in g["params"]
+            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
+    if reuse is not None and len(reuse[2]) == len(live):
+        saved_params, states, flat = reuse
+        torch._foreach_copy_(saved_params + flat, [p.detach() for p in params] + [v for *_, v in live])
+        return reuse
+    saved_params = [p.detach().clone() for p in params]
+    states = [{} for _ in optimizers]
+    flat = []
+    for opt, p, k, v in live:
+        i = optimizers.index(opt)
+        copy_v = v.clone()
+        states[i].setdefault(p, {})[k] = copy_v
+        flat.append(copy_v)
+    return saved_params, states, flat
 
 
 def _restore(snapshot, params, optimizers) -> None:
     """Put back what :func:`_snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
-    saved_params, states = snapshot
+    saved_params, states, _ = snapshot
     with torch.no_grad():
         for p, saved in zip(params, saved_params):
             p.copy_(saved)
