@@ -76,15 +76,20 @@ def run_one(task: str, seed: int, args, out: Path, recipe: str = "default") -> d
            "--iterations", str(args.iterations), "--threads", str(args.threads), "--out", str(run_dir),
            "--no-progress", "--no-plot", *extra]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if (run_dir / "metrics.csv").exists():
-        (run_dir / "metrics.csv").unlink()  # a fresh run, never appended to an old one
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    (out / task).mkdir(parents=True, exist_ok=True)
-    (out / task / f"seed{seed}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    done = run_dir / "wall_s.txt"  # written last: the run finished
+    if args.reuse and done.exists() and len(read_metrics(run_dir / "metrics.csv")) == args.iterations:
+        wall = float(done.read_text())
+    else:
+        if (run_dir / "metrics.csv").exists():
+            (run_dir / "metrics.csv").unlink()  # a fresh run, never appended to an old one
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        (out / task).mkdir(parents=True, exist_ok=True)
+        (out / task / f"seed{seed}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        done.write_text(f"{wall:.3f}")
     rows = read_metrics(run_dir / "metrics.csv")
     last = int(rows[-1]["iteration"])
     starts = sum(1 for a, b in zip([{"collapse": 0.0}] + rows, rows) if b["collapse"] and not a["collapse"])
@@ -200,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-seeds", type=int, default=4, help="seeds of the baseline recipe (the first K)")
     p.add_argument("--out", default="runs/bench_learning")
     p.add_argument("--quick", action="store_true", help="2 seeds x 40 iterations: a smoke test")
+    p.add_argument("--reuse", action="store_true", help="read the runs already finished under --out (same "
+                   "command) instead of running them again: an interrupted benchmark continues")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.iterations = 2, 40

@@ -179,8 +179,8 @@ _PANELS = (
      "linear"),
     ("explained variance", [("explained_variance", "explained_variance")], "symlog"),
     ("losses", [("loss_objective", "loss_objective"), ("loss_critic", "loss_critic")], "linear"),
-    ("optimizer", [("updates", "steps kept"), ("rolled_back", "steps undone"), ("skipped_steps", "steps skipped")],
-     "linear"),
+    ("optimizer", [("updates", "steps kept"), ("rolled_back", "crossing step pulled back (0/1)"),
+                   ("skipped_steps", "steps skipped")], "linear"),
 )
 
 

@@ -232,6 +232,10 @@ class TrainConfig:
             low = 0 if name in ("iterations", "warmup_steps", "threads") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"TrainConfig {name}={value!r} must be an int >= {low}")
+        kl = self.early_stop_kl
+        if isinstance(kl, bool) or not isinstance(kl, (int, float)) or not (math.isfinite(kl) and kl >= 0):
+            raise ValueError(f"TrainConfig early_stop_kl={kl!r} must be a finite number >= 0 (0 turns the trust "
+                             "region off)")
         for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):

@@ -219,3 +219,9 @@ def test_config_rejects_bad_schedules():
 def test_every_logged_metric_is_explained_in_the_module_docstring():
     for name in T.METRICS:
         assert f"``{name}``" in T.__doc__ or f"``{name}`` /" in T.__doc__ or f"/ ``{name}``" in T.__doc__, name
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True])
+def test_a_bad_trust_region_limit_is_a_clear_error(value):
+    with pytest.raises(ValueError, match="early_stop_kl=.* must be a finite number >= 0"):
+        T.TrainConfig(early_stop_kl=value)
