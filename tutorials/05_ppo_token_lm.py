@@ -8,7 +8,8 @@ schedule (epochs x minibatches, grad clip 1.0) and an approx-KL trust region
 that holds: the step that takes the policy too far from the rollout's is undone.
 
 Run it: ``python tutorials/05_ppo_token_lm.py`` (about two minutes on a laptop CPU).
-``PPO_TUTORIAL_SMOKE=1`` runs a tiny budget in seconds (the test suite does).
+``PPO_TUTORIAL_SMOKE=1`` runs a tiny budget in seconds (the test suite does);
+``PPO_TUTORIAL_SEED=N`` picks another seed.
 """
 
 import copy
@@ -29,7 +30,7 @@ from ppo_objectives.value import MaskedGAE
 SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 
 # ---------------------------------------------------------------- hyper-parameters
-SEED = 0
+SEED = int(os.environ.get("PPO_TUTORIAL_SEED", 0))
 ITERATIONS = 3 if SMOKE else 300  # rollout + update rounds
 NUM_ENVS = 16 if SMOKE else 64  # responses per rollout
 PRESET = "pico" if SMOKE else "nano"  # model size
@@ -121,7 +122,8 @@ for iteration in range(1, ITERATIONS + 1):
     # Each minibatch's forward measures kl_approx, the KL of the current policy to the rollout's.
     # Past EARLY_STOP_KL we stop -- and undo the step that got us there: one AdamW step can move
     # a token's log-prob by several nats (a policy that suddenly answers EOS first), and merely
-    # stopping after it would keep that step.
+    # stopping after it would keep that step. (The training job, train.ppo_update, first tries
+    # 1/2, 1/4 and 1/8 of the step before undoing it all: TRPO's backtracking line search.)
     nets = (ac.actor_model, ac.critic_model, ac.critic_head, actor_opt, critic_opt)
     updates, stop, before_step = 0, False, None
 
