@@ -7,7 +7,8 @@ a frozen reference, masked GAE and the clipped PPO loss with MiniMind's
 schedule (epochs x minibatches, grad clip 1.0) and an approx-KL trust region
 that holds: the step that takes the policy too far from the rollout's is undone.
 
-Run it: ``python tutorials/05_ppo_token_lm.py`` (about two minutes on a laptop CPU).
+Run it: ``python tutorials/05_ppo_token_lm.py`` (a few minutes on a laptop CPU; the reward
+goes from 0.33 to 0.97 with seed 0 and to 0.995 with seed 1).
 ``PPO_TUTORIAL_SMOKE=1`` runs a tiny budget in seconds (the test suite does);
 ``PPO_TUTORIAL_SEED=N`` picks another seed.
 """
