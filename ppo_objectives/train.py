@@ -518,6 +518,13 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
         kl = signal[0] / max(signal[1], 1.0) if process_group is not None else float(out["kl_approx"])
         return total, kl, float(tok), signal[2] > 0
 
+    def measure_now(on):
+        """(kl_approx, its largest per-token value) of the current policy on minibatch ``on``, no gradient."""
+        with torch.no_grad():
+            norm = F.loss_normalizer(on["mask"], loss_module.loss_agg_mode, process_group=process_group)
+            _, kl, tok, _ = measure(loss_module(on, normalizer=norm), on)
+        return kl, tok
+
     def pull_back_last_step(measured_on):
         """The last step crossed the limit: shorten it (1/2, 1/4, 1/8 of it, measured on
         ``measured_on``) until the policy is back inside, else undo it. Returns the fraction kept."""
@@ -527,8 +534,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
             with torch.no_grad():
                 for p, a, b in zip(all_params, snapshot[0], after):
                     p.copy_(torch.lerp(a, b, frac))
-                norm = F.loss_normalizer(measured_on["mask"], loss_module.loss_agg_mode, process_group=process_group)
-                _, kl, tok, _ = measure(loss_module(measured_on, normalizer=norm), measured_on)
+            kl, tok = measure_now(measured_on)
             if kl <= cfg.early_stop_kl:
                 kl_token_max = max(kl_token_max, tok)
                 return frac  # AdamW keeps the moments of the gradient it saw
@@ -587,9 +593,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
         if stopped:
             break
     if rollback and steps and not stopped:  # the policy after the last step: one more forward
-        with torch.no_grad():
-            norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
-            _, kl_now, kl_tok, _ = measure(loss_module(mb, normalizer=norm), mb)
+        kl_now, kl_tok = measure_now(mb)
         kl_max, kl_token_max = max(kl_max, kl_now), max(kl_token_max, kl_tok)
         if kl_now > cfg.early_stop_kl:
             stopped = True
@@ -609,13 +613,13 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     return stats
 
 
-def _snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict]]:
+def _snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
     """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
 
     ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
     (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
     """
-    live = [(opt, p, k, v) for opt in optimizers for g in opt.param_groups for p in g["params"]
+    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
             if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
     if reuse is not None and len(reuse[2]) == len(live):
         saved_params, states, flat = reuse
@@ -624,8 +628,7 @@ def _snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[
     saved_params = [p.detach().clone() for p in params]
     states = [{} for _ in optimizers]
     flat = []
-    for opt, p, k, v in live:
-        i = optimizers.index(opt)
+    for i, p, k, v in live:
         copy_v = v.clone()
         states[i].setdefault(p, {})[k] = copy_v
         flat.append(copy_v)
@@ -886,10 +889,10 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
                 for line in warnings_now:
                     _warn(line, bar)
             if bar is not None:
+                flagged = "+".join(f for f in FLAGS if row[f"warn_{f}"])  # a collapse is always flagged
+                warn = {"warn": "COLLAPSE" if row["collapse"] else flagged} if flagged else {}
                 bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}",
-                                **({"warn": "COLLAPSE" if row["collapse"] else "+".join(
-                                    f for f in FLAGS if row[f"warn_{f}"])} if guard.streak or row["warn_kl_spike"]
-                                   else {}))  # fmt: skip
+                                **warn)
                 bar.update(1)
             if (it + 1) % cfg.save_every == 0 or it + 1 == cfg.iterations:
                 st = state(it + 1)
