@@ -14,7 +14,7 @@ Shape letters (used in every docstring below):
 - ``R``: the response length (tokens the policy generated, padded).
 - ``V``: the vocabulary size.
 
-Conventions (see DESIGN.md):
+Conventions (see docs/design.md):
 
 - ``mask`` is always "True = this token takes part". Bool masks are used as
   they are; integer or floating masks must hold only 0 and 1.
@@ -32,14 +32,14 @@ them off for a hot loop. Shape, dtype and device checks are always on.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from ppo_objectives import _gae_fast, _logprobs  # the fast kernels behind masked_gae / response_log_probs (torch only)
+from ppo_objectives import _validate  # the input checks every layer shares
+from ppo_objectives._validate import value_checks
 
 __all__ = [
     "aggregate_loss",
@@ -61,153 +61,13 @@ __all__ = [
     "value_checks",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = _validate.LOSS_AGG_MODES
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
-
-_VALUE_CHECKS = True
-
-
-# --------------------------------------------------------------------------- #
-# Input checks (private). Every public function calls these in its first lines.
-# --------------------------------------------------------------------------- #
-
-
-@contextlib.contextmanager
-def value_checks(enabled: bool) -> Iterator[None]:
-    """Turn the data-reading input checks on or off inside a ``with`` block.
-
-    Checks of mask *values* (for non-bool masks), of positions inside the
-    sequence and of hyper-parameters given as tensors read tensor data, which
-    costs a host synchronisation on CUDA. Turn them off in a tight loop once
-    the inputs are known to be good; shape, dtype and device checks stay on.
-
-    Example:
-        >>> import torch
-        >>> x, m = torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0])
-        >>> with value_checks(False):
-        ...     masked_mean(x, m)
-        tensor(2.)
-    """
-    global _VALUE_CHECKS
-    previous, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
-    try:
-        yield
-    finally:
-        _VALUE_CHECKS = previous
-
-
-def _checking_values() -> bool:
-    return _VALUE_CHECKS and not torch.compiler.is_compiling()
-
-
-def _check_tensor(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _check_float(name: str, x: object) -> Tensor:
-    x = _check_tensor(name, x)
-    if not x.is_floating_point():
-        raise TypeError(
-            f"{name} must be a floating-point tensor, got dtype {x.dtype}; convert it with {name}.float()"
-        )
-    return x
-
-
-def _check_same_shape(ref_name: str, ref: Tensor, **others: Tensor) -> None:
-    for name, t in others.items():
-        if t.shape != ref.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
-                f"per-token tensors must have identical shapes (nothing is broadcast, since "
-                f"broadcasting here would silently mix tokens of different sequences)"
-            )
-
-
-def _check_same_device(**tensors: Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {listing}; move them with .to(device)")
-
-
-def _check_token_tensors(mask: object, **tensors: object) -> Tensor | None:
-    """The common first lines of a per-token function: every tensor float, of one shape, on one
-    device with the mask; returns the mask as bool (``None`` when ``mask`` is ``None``)."""
-    for name, t in tensors.items():
-        _check_float(name, t)
-    (ref_name, ref), *_ = tensors.items()
-    _check_same_shape(ref_name, ref, **dict(list(tensors.items())[1:]))
-    _check_same_device(**tensors, **({} if mask is None else {"mask": _check_tensor("mask", mask)}))
-    return None if mask is None else _check_mask(mask, ref.shape, ref_name)
-
-
-def _check_mask(mask: object, shape: torch.Size, ref_name: str) -> Tensor:
-    """Validate ``mask`` and return it as a bool tensor."""
-    mask = _check_tensor("mask", mask)
-    if mask.shape != shape:
-        raise ValueError(
-            f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(shape)}; "
-            f"the mask must have exactly the shape of the per-token tensors (no broadcasting)"
-        )
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_complex():
-        raise TypeError(f"mask must be bool or real with values in {{0, 1}}, got dtype {mask.dtype}")
-    if _checking_values() and mask.numel() > 0:
-        binary = ((mask == 0) | (mask == 1)).all()
-        if not bool(binary):
-            bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
-            raise ValueError(
-                f"mask must hold only 0 and 1 (True = token takes part), found values such as {bad}; "
-                f"pass a bool mask, e.g. mask > 0.5"
-            )
-    return mask != 0
-
-
-def _check_unit_interval(name: str, x: object) -> None:
-    if isinstance(x, Tensor):
-        if x.numel() != 1 or not x.is_floating_point():
-            raise TypeError(f"{name} must be a Python float or a one-element float tensor, got {x.dtype} {tuple(x.shape)}")
-        if x.device.type != "cpu" or not _checking_values():
-            return
-        value = float(x)
-    elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        value = float(x)
-    else:
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(x).__name__}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}={value} is outside [0, 1]; discount and trace factors must lie in [0, 1]")
-
-
-def _check_positive(name: str, x: object, *, above: float = 0.0, what: str = "") -> float:
-    if isinstance(x, Tensor) and x.numel() == 1:
-        if x.device.type != "cpu" or not _checking_values():
-            return x  # type: ignore[return-value]
-        value = float(x)
-    elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        value = float(x)
-    else:
-        raise TypeError(f"{name} must be a positive float, got {type(x).__name__}")
-    if not (value > above and math.isfinite(value)):
-        raise ValueError(f"{name}={value} must be a finite number > {above}{what}")
-    return value
-
-
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32 (half precision is promoted)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _rows(x: Tensor) -> Tensor:
     """View ``[*B, R]`` as ``[prod(B), R]`` (also for R = 0 or empty batches)."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-def _check_mode(loss_agg_mode: str) -> None:
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
 
 def _all_reduce_sum(t: Tensor, process_group) -> Tensor:
@@ -248,9 +108,9 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
         >>> masked_sum(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([True, False, True]))
         tensor(4.)
     """
-    _check_float("x", x)
-    m = _check_mask(mask, x.shape, "x")
-    _check_same_device(x=x, mask=mask)
+    _validate.check_float("x", x)
+    m = _validate.check_mask(mask, x.shape, "x")
+    _validate.check_same_device(x=x, mask=mask)
     xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if dim is None:
         return xs.sum().reshape([1] * x.dim()) if keepdim else xs.sum()
@@ -291,9 +151,9 @@ def masked_mean(
         >>> masked_mean(x, torch.zeros_like(m))
         tensor(0.)
     """
-    _check_float("x", x)
-    m = _check_mask(mask, x.shape, "x")
-    _check_same_device(x=x, mask=mask)
+    _validate.check_float("x", x)
+    m = _validate.check_mask(mask, x.shape, "x")
+    _validate.check_same_device(x=x, mask=mask)
     xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if process_group is not None and dim is not None:
         raise ValueError("masked_mean: process_group needs dim=None (a global mean over every rank's tokens)")
@@ -332,9 +192,9 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
         >>> masked_var(x, m, unbiased=True)  # ... / (2 - 1)
         tensor(2.)
     """
-    _check_float("x", x)
-    m = _check_mask(mask, x.shape, "x")
-    _check_same_device(x=x, mask=mask)
+    _validate.check_float("x", x)
+    m = _validate.check_mask(mask, x.shape, "x")
+    _validate.check_same_device(x=x, mask=mask)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     total, n = torch.where(m, x, zero).sum(), m.sum().to(x.dtype)
     if process_group is not None:
@@ -384,10 +244,10 @@ def masked_whiten(
         >>> masked_whiten(x, torch.tensor([[True, True, False]]))  # mean 2, var 1
         tensor([[-1.,  1.,  0.]])
     """
-    _check_float("x", x)
-    m = _check_mask(mask, x.shape, "x")
-    _check_positive("eps", eps)
-    cd = _compute_dtype(x)
+    _validate.check_float("x", x)
+    m = _validate.check_mask(mask, x.shape, "x")
+    _validate.check_positive("eps", eps)
+    cd = _validate.compute_dtype(x)
     xf = x.to(cd)
     mean = masked_mean(xf, m, process_group=process_group)
     var = masked_var(xf, m, unbiased=unbiased, process_group=process_group)
@@ -417,8 +277,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         >>> explained_variance(torch.zeros(4), r, torch.ones(4, dtype=torch.bool))
         tensor(0.)
     """
-    m = _check_token_tensors(mask, values=values, returns=returns)
-    cd = _compute_dtype(values, returns)
+    m = _validate.check_token_tensors(mask, values=values, returns=returns)
+    cd = _validate.compute_dtype(values, returns)
     v, r = values.detach().to(cd), returns.detach().to(cd)
     var_r = masked_var(r, m)
     var_res = masked_var(r - torch.where(m, v, 0.0), m)
@@ -452,7 +312,7 @@ def response_logp_positions(prompt_lens: Tensor, response_len: int) -> Tensor:
         tensor([[2, 3, 4, 5],
                 [0, 1, 2, 3]])
     """
-    _check_tensor("prompt_lens", prompt_lens)
+    _validate.check_tensor("prompt_lens", prompt_lens)
     if prompt_lens.dim() != 1:
         raise ValueError(f"prompt_lens must be 1-D [B], got shape {tuple(prompt_lens.shape)}")
     if prompt_lens.is_floating_point() or prompt_lens.dtype == torch.bool or prompt_lens.is_complex():
@@ -461,7 +321,7 @@ def response_logp_positions(prompt_lens: Tensor, response_len: int) -> Tensor:
         raise TypeError(f"response_len must be an int, got {type(response_len).__name__}")
     if response_len < 1:
         raise ValueError(f"response_len={response_len} must be >= 1: there is no response token to score")
-    if _checking_values() and prompt_lens.numel() > 0 and bool((prompt_lens < 1).any()):
+    if _validate.checking_values() and prompt_lens.numel() > 0 and bool((prompt_lens < 1).any()):
         raise ValueError(
             f"prompt_lens must be >= 1 (the first response token needs a token before it), "
             f"got min {int(prompt_lens.min())}"
@@ -509,8 +369,8 @@ def response_log_probs(
         >>> ent                                            # log(8)
         tensor([[2.0794, 2.0794, 2.0794]])
     """
-    _check_float("logits", logits)
-    _check_tensor("input_ids", input_ids)
+    _validate.check_float("logits", logits)
+    _validate.check_tensor("input_ids", input_ids)
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
@@ -520,14 +380,14 @@ def response_log_probs(
             f"input_ids has shape {tuple(input_ids.shape)} but logits has shape {tuple(logits.shape)}; "
             f"input_ids must be [B, T] with the B and T of logits"
         )
-    _check_same_device(logits=logits, input_ids=input_ids, prompt_lens=prompt_lens)
+    _validate.check_same_device(logits=logits, input_ids=input_ids, prompt_lens=prompt_lens)
     if prompt_lens.shape != logits.shape[:1]:
         raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{logits.shape[0]}]")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
     positions = response_logp_positions(prompt_lens, response_len)
     T = logits.shape[1]
-    if _checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
+    if _validate.checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
         worst = int(prompt_lens.max())
         raise ValueError(
             f"positions outside the sequence: prompt_lens up to {worst} with response_len={response_len} "
@@ -536,7 +396,7 @@ def response_log_probs(
         )
     targets = input_ids.gather(1, positions + 1)
     V = logits.shape[-1]
-    if _checking_values() and targets.numel() > 0 and bool(((targets < 0) | (targets >= V)).any()):
+    if _validate.checking_values() and targets.numel() > 0 and bool(((targets < 0) | (targets >= V)).any()):
         bad = targets[(targets < 0) | (targets >= V)].flatten()[:3].tolist()
         raise ValueError(
             f"input_ids holds response token ids outside the vocabulary [0, V={V}) of the logits, "
@@ -555,24 +415,24 @@ def response_log_probs(
 
 def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
     """Validate the GAE arguments; return flat ``[N, R]`` compute-dtype tensors."""
-    _check_float("token_rewards", token_rewards)
-    _check_float("values", values)
-    _check_same_shape("token_rewards", token_rewards, values=values)
+    _validate.check_float("token_rewards", token_rewards)
+    _validate.check_float("values", values)
+    _validate.check_same_shape("token_rewards", token_rewards, values=values)
     if token_rewards.dim() < 1:
         raise ValueError("token_rewards must have a time axis: shape [*B, R], got a scalar")
-    m = _check_mask(mask, token_rewards.shape, "token_rewards")
-    _check_unit_interval("gamma", gamma)
-    _check_unit_interval("lam", lam)
-    _check_same_device(token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value)
+    m = _validate.check_mask(mask, token_rewards.shape, "token_rewards")
+    _validate.check_unit_interval("gamma", gamma)
+    _validate.check_unit_interval("lam", lam)
+    _validate.check_same_device(token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value)
     batch_shape = token_rewards.shape[:-1]
     if bootstrap_value is not None:
-        _check_float("bootstrap_value", bootstrap_value)
+        _validate.check_float("bootstrap_value", bootstrap_value)
         if bootstrap_value.shape != batch_shape:
             raise ValueError(
                 f"bootstrap_value has shape {tuple(bootstrap_value.shape)} but must be [*B] = {tuple(batch_shape)}: "
                 f"one value per row, used after that row's last valid token (pass 0 for rows that terminated)"
             )
-    cd = _compute_dtype(token_rewards, values, *(() if bootstrap_value is None else (bootstrap_value,)))
+    cd = _validate.compute_dtype(token_rewards, values, *(() if bootstrap_value is None else (bootstrap_value,)))
     r = _rows(token_rewards.to(cd))
     v = _rows(values.to(cd))
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
@@ -752,11 +612,11 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
         >>> loss_normalizer(m), loss_normalizer(m, "seq-mean-token-sum"), loss_normalizer(m, "seq-mean-token-sum-norm")
         (tensor(2.), tensor(1.), tensor(6.))
     """
-    _check_mode(mode)
-    m = _check_tensor("mask", mask)
+    _validate.check_mode(mode)
+    m = _validate.check_tensor("mask", mask)
     if m.dim() < 1:
         raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
-    m = _check_mask(mask, mask.shape, "mask")
+    m = _validate.check_mask(mask, mask.shape, "mask")
     R = m.shape[-1]
     fm = _rows(m)
     if mode == "token-mean":
@@ -812,21 +672,21 @@ def aggregate_loss(
         >>> aggregate_loss(L, m, normalizer=10.0)          # (1 + 3 + 6) / 10
         tensor(1.)
     """
-    _check_float("per_token", per_token)
-    _check_mode(mode)
+    _validate.check_float("per_token", per_token)
+    _validate.check_mode(mode)
     if per_token.dim() < 1:
         raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
-    m = _check_mask(mask, per_token.shape, "per_token")
+    m = _validate.check_mask(mask, per_token.shape, "per_token")
     if normalizer is None:
         normalizer = loss_normalizer(m, mode)
     elif isinstance(normalizer, Tensor):
         if normalizer.numel() != 1 or not normalizer.is_floating_point():
             raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
-        _check_same_device(per_token=per_token, normalizer=normalizer)
-        _check_positive("normalizer", normalizer)
+        _validate.check_same_device(per_token=per_token, normalizer=normalizer)
+        _validate.check_positive("normalizer", normalizer)
         normalizer = normalizer.reshape(())
     else:
-        normalizer = _check_positive("normalizer", normalizer)
+        normalizer = _validate.check_positive("normalizer", normalizer)
     flat, fm = _rows(per_token), _rows(m)
     if mode in ("token-mean", "seq-mean-token-sum-norm"):
         numerator = masked_sum(flat, fm)
@@ -913,13 +773,13 @@ def ppo_policy_loss(
         >>> stats["clip_fraction"], stats["clip_fraction_high"], stats["clip_fraction_low"]
         (tensor(0.6667), tensor(0.3333), tensor(0.3333))
     """
-    m = _check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps, advantages=advantages)
-    eps_low = _check_positive("clip_epsilon", clip_epsilon)
-    eps_high = eps_low if clip_epsilon_high is None else _check_positive("clip_epsilon_high", clip_epsilon_high)
+    m = _validate.check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps, advantages=advantages)
+    eps_low = _validate.check_positive("clip_epsilon", clip_epsilon)
+    eps_high = eps_low if clip_epsilon_high is None else _validate.check_positive("clip_epsilon_high", clip_epsilon_high)
     if dual_clip is not None:
-        dual_clip = _check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
-    _check_mode(loss_agg_mode)
-    cd = _compute_dtype(new_logps, old_logps, advantages)
+        dual_clip = _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
+    _validate.check_mode(loss_agg_mode)
+    cd = _validate.compute_dtype(new_logps, old_logps, advantages)
     zero = torch.zeros((), dtype=cd, device=new_logps.device)
     log_ratio = torch.where(m, new_logps.to(cd) - old_logps.to(cd), zero)
     adv = torch.where(m, advantages.to(cd), zero)
@@ -970,8 +830,8 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
         >>> approx_kl(torch.tensor([0.0, -2.0]), torch.tensor([-1.0, -2.0]), torch.tensor([True, True]))
         tensor(0.2500)
     """
-    m = _check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps)
-    cd = _compute_dtype(new_logps, old_logps)
+    m = _validate.check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps)
+    cd = _validate.compute_dtype(new_logps, old_logps)
     d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
     return masked_mean(0.5 * d * d, m)
 
@@ -1010,12 +870,12 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
         >>> [round(float(kl_estimate(lp, ref, e)), 4) for e in ("k1", "k2", "k3")]
         [0.6931, 0.2402, 0.1931]
     """
-    _check_token_tensors(None, logps=logps, ref_logps=ref_logps)
+    _validate.check_token_tensors(None, logps=logps, ref_logps=ref_logps)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
     if clamp is not None:
-        clamp = _check_positive("clamp", clamp)
-    cd = _compute_dtype(logps, ref_logps)
+        clamp = _validate.check_positive("clamp", clamp)
+    cd = _validate.compute_dtype(logps, ref_logps)
     d = ref_logps.to(cd) - logps.to(cd)
     if estimator == "k1":
         kl = -d
@@ -1066,8 +926,8 @@ def reference_kl_penalty(
         >>> reference_kl_penalty(pol, ref, torch.tensor([[1, 1]]))  # (0.1931 + 0) / 2
         tensor(0.0966)
     """
-    m = _check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps)
-    _check_mode(loss_agg_mode)
+    m = _validate.check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps)
+    _validate.check_mode(loss_agg_mode)
     zero = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
     safe_pol = torch.where(m, policy_logps, zero)
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
@@ -1118,10 +978,10 @@ def clipped_value_loss(
         >>> clipped_value_loss(V, V_old, R, torch.tensor([[1, 1]]), 0.2)
         tensor(0.5000)
     """
-    m = _check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
-    c = _check_positive("cliprange_value", cliprange_value)
-    _check_mode(loss_agg_mode)
-    cd = _compute_dtype(values, old_values, returns)
+    m = _validate.check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
+    c = _validate.check_positive("cliprange_value", cliprange_value)
+    _validate.check_mode(loss_agg_mode)
+    cd = _validate.compute_dtype(values, old_values, returns)
     zero = torch.zeros((), dtype=cd, device=values.device)
     v = torch.where(m, values.to(cd), zero)
     v_old = torch.where(m, old_values.to(cd), zero)

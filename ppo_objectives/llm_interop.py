@@ -78,6 +78,7 @@ from torch import Tensor, nn
 from torchrl.envs.transforms import Transform
 
 from ppo_objectives import functional as F
+from ppo_objectives import _validate
 
 __all__ = ["CausalLMCritic", "CausalLMTokenLogProbs", "LLMToTokenBatch", "bootstrap_from_next_turn"]
 
@@ -678,7 +679,7 @@ def bootstrap_from_next_turn(
             f"bootstrap_from_next_turn: run the critic first ({_key_str(value_key)} and "
             f"{_key_str(next_value_key)} are needed, e.g. from CausalLMCritic)"
         )
-    mask = F._check_mask(mask, link.shape, "next_turn_row")
+    mask = _validate.check_mask(mask, link.shape, "next_turn_row")
     B, T = mask.shape
     trailing = next_value.dim() == 3
     v = value.reshape(B, T)
@@ -711,11 +712,11 @@ def _check_row_inputs(tokens: Tensor, attention_mask: Tensor | None, mask: Tenso
         )
     if tokens.is_floating_point() or tokens.dtype == torch.bool:
         raise TypeError(f"{who}: tokens must hold integer token ids, got dtype {tokens.dtype}")
-    F._check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
+    _validate.check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
     if attention_mask is not None:
-        attention_mask = F._check_mask(attention_mask, tokens.shape, "tokens")
+        attention_mask = _validate.check_mask(attention_mask, tokens.shape, "tokens")
     if mask is not None:
-        mask = F._check_mask(mask, tokens.shape, "tokens")
+        mask = _validate.check_mask(mask, tokens.shape, "tokens")
     return attention_mask, mask
 
 

@@ -27,7 +27,9 @@ from torchrl.objectives.utils import ValueEstimators, dispatch_value_estimator
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ppo_objectives import functional as F
-from ppo_objectives.value import MaskedGAE, _mask_or_all, _step_shape, _time_last
+from ppo_objectives import _td as TD
+from ppo_objectives import _validate
+from ppo_objectives.value import MaskedGAE
 
 __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
 
@@ -58,7 +60,7 @@ def _clip_pair(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]
         low, high = clip_epsilon
     else:
         low = high = clip_epsilon
-    return F._check_positive("clip_epsilon (low)", low), F._check_positive("clip_epsilon (high)", high)
+    return _validate.check_positive("clip_epsilon (low)", low), _validate.check_positive("clip_epsilon (high)", high)
 
 
 class TokenPPOLoss(LossModule):
@@ -252,14 +254,14 @@ class TokenPPOLoss(LossModule):
             raise TypeError("TokenPPOLoss needs an actor_network that writes per-token 'log_prob'")
         eps_low, eps_high = _clip_pair(clip_epsilon)
         if dual_clip is not None:
-            F._check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
-        F._check_mode(loss_agg_mode)
+            _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
+        _validate.check_mode(loss_agg_mode)
         if kl_estimator not in F.KL_ESTIMATORS:
             raise ValueError(f"kl_estimator={kl_estimator!r} is not one of {F.KL_ESTIMATORS}")
         if kl_clamp is not None:
-            F._check_positive("kl_clamp", kl_clamp)
+            _validate.check_positive("kl_clamp", kl_clamp)
         if clip_value is not None:
-            F._check_positive("clip_value", clip_value)
+            _validate.check_positive("clip_value", clip_value)
         for name, x in (("critic_coeff", critic_coeff), ("kl_coeff", kl_coeff), ("entropy_coeff", entropy_coeff)):
             if not isinstance(x, (int, float)) or isinstance(x, bool) or not (math.isfinite(x) and x >= 0):
                 raise ValueError(f"{name}={x!r} must be a float >= 0 and finite (0 switches that term off)")
@@ -447,7 +449,7 @@ class TokenPPOLoss(LossModule):
                 f"TokenPPOLoss: the sampling log-probs {k.sample_log_prob!r} are missing; store the policy's "
                 "per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
             )
-        shape, _ = _step_shape(old_logp, td.batch_dims)
+        shape, _ = TD.step_shape(old_logp, td.batch_dims)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
         def get(key, what, required=True):
@@ -456,11 +458,11 @@ class TokenPPOLoss(LossModule):
                 if required:
                     raise KeyError(f"TokenPPOLoss: {what} {key!r} is missing from the TensorDict")
                 return None
-            return _time_last(x, f"{what} {key!r}", shape, ref).detach()
+            return TD.time_last(x, f"{what} {key!r}", shape, ref).detach()
 
         old_logp = get(k.sample_log_prob, "sample_log_prob")
         advantage = get(k.advantage, "advantage")
-        mask = _mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device)
+        mask = TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device)
         ref_logp = get(k.ref_log_prob, "reference log-probs (needed because kl_coeff > 0)", self._requires_ref)
         if self._has_critic:
             returns = get(k.value_target, "value target")
@@ -473,7 +475,7 @@ class TokenPPOLoss(LossModule):
                 f"TokenPPOLoss: the actor network did not write {k.log_prob!r}; it must output the per-token "
                 f"log-probs [B, R] of the response tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})"
             )
-        new_logp = _time_last(new_logp, f"actor output {k.log_prob!r}", shape, ref)
+        new_logp = TD.time_last(new_logp, f"actor output {k.log_prob!r}", shape, ref)
         entropy = actor_out.get(k.entropy, None)
         if entropy is None and self.entropy_bonus:
             raise KeyError(
@@ -514,7 +516,7 @@ class TokenPPOLoss(LossModule):
             out.set("loss_kl_ref", zero)
 
         if entropy is not None:
-            entropy = _time_last(entropy, f"actor output {k.entropy!r}", shape, ref)
+            entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", shape, ref)
             agg_entropy = F.aggregate_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
             out.set("loss_entropy", -self.entropy_coeff * agg_entropy)
             out.set("entropy", F.masked_mean(entropy.detach(), mask))
@@ -526,7 +528,7 @@ class TokenPPOLoss(LossModule):
             values = critic_out.get(k.value, None)
             if values is None:
                 raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
-            values = _time_last(values, f"critic output {k.value!r}", shape, ref)
+            values = TD.time_last(values, f"critic output {k.value!r}", shape, ref)
             if self.clip_value is None:
                 # No clipping: with V_old = V both branches are (V - G)^2.
                 loss_critic = F.clipped_value_loss(

@@ -69,7 +69,7 @@ from tensordict.nn import (
 )
 from torch import Tensor, nn
 
-from ppo_objectives import functional as _F
+from ppo_objectives import _validate
 from ppo_objectives.functional import response_log_probs, value_checks
 
 __all__ = [
@@ -340,8 +340,8 @@ class TinyCausalLM(nn.Module):
             if attention_mask.device != input_ids.device:
                 raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids on {input_ids.device}")
             if attention_mask.dtype != torch.bool:
-                _F._check_mask(attention_mask, input_ids.shape, "input_ids")  # {0, 1} values
-        if _F._checking_values() and input_ids.numel():
+                _validate.check_mask(attention_mask, input_ids.shape, "input_ids")  # {0, 1} values
+        if _validate.checking_values() and input_ids.numel():
             lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi
@@ -543,7 +543,7 @@ class NextTokenLogits(nn.Module):
         attention_mask = attention_mask.bool()
         position = position.reshape(tokens.shape[:-1])
         S = tokens.shape[-1]
-        if _F._checking_values() and position.numel():
+        if _validate.checking_values() and position.numel():
             lo, hi = torch.stack([position.min(), position.max()]).tolist()
             if lo < 1 or hi > S:
                 raise ValueError(

@@ -26,7 +26,8 @@ from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Compose, Transform
 
 from ppo_objectives import functional as F
-from ppo_objectives.value import _mask_or_all, _next, _step_shape, _time_last
+from ppo_objectives import _td as TD
+from ppo_objectives import _validate
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 
@@ -102,9 +103,9 @@ class AdaptiveKLController(nn.Module):
         super().__init__()
         if not _is_nonnegative_float(init_coeff):
             raise ValueError(f"init_coeff={init_coeff!r} must be a float >= 0 and finite")
-        F._check_positive("target", target, what=" (the KL the controller steers towards)")
-        F._check_positive("horizon", horizon, what=" (samples over which beta adapts)")
-        F._check_positive("clip", clip)
+        _validate.check_positive("target", target, what=" (the KL the controller steers towards)")
+        _validate.check_positive("horizon", horizon, what=" (samples over which beta adapts)")
+        _validate.check_positive("clip", clip)
         self.register_buffer("coeff", torch.tensor(float(init_coeff)))
         self.target, self.horizon, self.clip = float(target), float(horizon), float(clip)
 
@@ -266,7 +267,7 @@ class KLPenaltyTransform(Transform):
         if estimator not in F.KL_ESTIMATORS:
             raise ValueError(f"estimator={estimator!r} is not one of {F.KL_ESTIMATORS}")
         if clamp is not None:
-            F._check_positive("clamp", clamp)
+            _validate.check_positive("clamp", clamp)
         if isinstance(coeff, nn.Module):
             if not hasattr(coeff, "coeff") or not callable(getattr(coeff, "update", None)):
                 raise TypeError(
@@ -276,8 +277,8 @@ class KLPenaltyTransform(Transform):
             controller = coeff
         else:
             controller = FixedKLController(coeff)
-        in_keys = [log_prob_key, ref_log_prob_key, mask_key] + ([_next(reward_key)] if add_to_reward else [])
-        out_keys = [kl_key, ref_log_prob_key] + ([_next(reward_key)] if add_to_reward else [])
+        in_keys = [log_prob_key, ref_log_prob_key, mask_key] + ([TD.next_key(reward_key)] if add_to_reward else [])
+        out_keys = [kl_key, ref_log_prob_key] + ([TD.next_key(reward_key)] if add_to_reward else [])
         super().__init__(in_keys=in_keys, out_keys=out_keys)
         self.ref_model = ref_model
         self.kl_controller = controller
@@ -340,7 +341,7 @@ class KLPenaltyTransform(Transform):
         A trailing singleton of ``logp`` is TorchRL's per-step layout ``[*batch, 1]`` when
         the other dims are the TensorDict's batch dims (``batch_dims``).
         """
-        shape, _ = _step_shape(logp, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
+        shape, _ = TD.step_shape(logp, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
         if reward is not None and reward.shape == logp.shape + (1,):
             shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
@@ -348,26 +349,26 @@ class KLPenaltyTransform(Transform):
                 f"KLPenaltyTransform: {self.log_prob_key!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]"
             )
         ref_name = f"log-probs {self.log_prob_key!r}"
-        F._check_same_device(sample_log_prob=logp, ref_log_prob=ref, mask=mask, reward=reward)
-        logp = _time_last(logp, ref_name, shape, ref_name)
-        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, ref_name)
-        F._check_float("sample_log_prob", logp)
-        F._check_float("ref_log_prob", ref)
-        m = _mask_or_all(mask, f"mask {self.mask_key!r}", shape, ref_name, logp.device)
+        _validate.check_same_device(sample_log_prob=logp, ref_log_prob=ref, mask=mask, reward=reward)
+        logp = TD.time_last(logp, ref_name, shape, ref_name)
+        ref = TD.time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, ref_name)
+        _validate.check_float("sample_log_prob", logp)
+        _validate.check_float("ref_log_prob", ref)
+        m = TD.mask_or_all(mask, f"mask {self.mask_key!r}", shape, ref_name, logp.device)
         kl = self._kl(logp, ref, m)
         if reward is None:
             return kl, ref, m, None
-        F._check_float("reward", reward)
+        _validate.check_float("reward", reward)
         coeff = self.coeff.to(device=kl.device, dtype=kl.dtype)
         zero = torch.zeros((), dtype=reward.dtype, device=reward.device)
         if reward.shape in (shape, shape + (1,)):
-            dense = _time_last(reward, "reward", shape, ref_name)
+            dense = TD.time_last(reward, "reward", shape, ref_name)
             new = torch.where(m, dense - coeff * kl, zero)
             return kl, ref, m, new.reshape(reward.shape)
         if reward.shape in (shape[:-1], shape[:-1] + (1,)):
             # A sequence-level score: put it on the last valid token, never on every token.
             score = reward.reshape(shape[:-1])
-            if F._checking_values() and m.numel() and not bool(m.any(-1).all()):
+            if _validate.checking_values() and m.numel() and not bool(m.any(-1).all()):
                 empty = (~m.any(-1)).nonzero().flatten()[:5].tolist()
                 raise ValueError(
                     f"KLPenaltyTransform: rows {empty} have no valid token (empty mask), so their sequence score "
@@ -380,7 +381,7 @@ class KLPenaltyTransform(Transform):
             new = torch.where(m, dense - coeff * kl, zero)
             return kl, ref, m, (new.unsqueeze(-1) if reward.shape == shape[:-1] + (1,) else new)
         raise ValueError(
-            f"KLPenaltyTransform: reward {_next(self.reward_key)!r} has shape {tuple(reward.shape)} but the log-probs "
+            f"KLPenaltyTransform: reward {TD.next_key(self.reward_key)!r} has shape {tuple(reward.shape)} but the log-probs "
             f"{self.log_prob_key!r} define [*B, R] = {tuple(shape)}: expected a per-token reward {tuple(shape)} / "
             f"{tuple(shape + (1,))} or one score per sequence {tuple(shape[:-1])} / {tuple(shape[:-1] + (1,))}; "
             "broadcasting it would mix tokens of different sequences"
@@ -416,16 +417,16 @@ class KLPenaltyTransform(Transform):
         tensordict.set(self.kl_key, kl)
         tensordict.set(self.ref_log_prob_key, ref.reshape(logp.shape))
         if new_reward is not None:
-            tensordict.set(_next(self.reward_key), new_reward)
+            tensordict.set(TD.next_key(self.reward_key), new_reward)
         return tensordict
 
     def _get_reward(self, tensordict: TensorDictBase) -> Tensor | None:
         if not self.add_to_reward:
             return None
-        reward = tensordict.get(_next(self.reward_key), None)
+        reward = tensordict.get(TD.next_key(self.reward_key), None)
         if reward is None:
             raise KeyError(
-                f"KLPenaltyTransform: add_to_reward=True but the reward {_next(self.reward_key)!r} is missing; "
+                f"KLPenaltyTransform: add_to_reward=True but the reward {TD.next_key(self.reward_key)!r} is missing; "
                 "store the per-token (or per-sequence) reward, or pass add_to_reward=False"
             )
         return reward
@@ -442,7 +443,7 @@ class KLPenaltyTransform(Transform):
             sub.set(self.kl_key, kl)
             sub.set(self.ref_log_prob_key, ref.reshape(logp.shape))
             if new_reward is not None:
-                sub.set(_next(self.reward_key), new_reward)
+                sub.set(TD.next_key(self.reward_key), new_reward)
             kls.append(kl)
             masks.append(m)
         self._record(kls, masks)
@@ -465,7 +466,7 @@ class KLPenaltyTransform(Transform):
             tensordict.set(self.kl_key, nest(kls))
             tensordict.set(self.ref_log_prob_key, nest(out_ref))
             if self.add_to_reward:
-                tensordict.set(_next(self.reward_key), nest(out_rew))
+                tensordict.set(TD.next_key(self.reward_key), nest(out_rew))
         return tensordict
 
     @dispatch(source="in_keys", dest="out_keys")
@@ -504,9 +505,9 @@ class KLPenaltyTransform(Transform):
         ref = self._ref_log_prob(tensordict.exclude(self.ref_log_prob_key))
         shape = next_tensordict.batch_size
         ref_name = f"log-probs {self.log_prob_key!r}"
-        logp = _time_last(logp, ref_name, shape, "the env's batch")
-        ref = _time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, "the env's batch")
-        m = _mask_or_all(tensordict.get(self.mask_key, None), f"mask {self.mask_key!r}", shape, "the env's batch", logp.device)
+        logp = TD.time_last(logp, ref_name, shape, "the env's batch")
+        ref = TD.time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, "the env's batch")
+        m = TD.mask_or_all(tensordict.get(self.mask_key, None), f"mask {self.mask_key!r}", shape, "the env's batch", logp.device)
         kl = self._kl(logp, ref, m)
         if self.add_to_reward:
             reward = next_tensordict.get(self.reward_key)

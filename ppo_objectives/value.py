@@ -26,43 +26,10 @@ from torch import Tensor
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ppo_objectives import functional as F
+from ppo_objectives import _td as TD
+from ppo_objectives import _validate
 
 __all__ = ["MaskedGAE"]
-
-
-def _next(key: NestedKey) -> tuple[str, ...]:
-    return ("next", *key) if isinstance(key, tuple) else ("next", key)
-
-
-def _time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:
-    """Return ``x`` as ``[*B, T]``: accept exactly ``shape`` or ``shape + (1,)``, nothing else."""
-    if x.shape == shape:
-        return x
-    if x.shape == shape + (1,):
-        return x.squeeze(-1)
-    raise ValueError(
-        f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(shape)}: expected "
-        f"{tuple(shape)} or the TorchRL layout {tuple(shape + (1,))}. Broadcasting it would mix the "
-        f"entries of different tokens or sequences; store one value per token (for a sequence-level "
-        f"score, put it on the last valid token, e.g. with KLPenaltyTransform)."
-    )
-
-
-def _step_shape(x: Tensor, batch_dims: int) -> tuple[torch.Size, bool]:
-    """``[*B, T]`` of a per-step entry, and whether ``x`` carries TorchRL's trailing ``1``.
-
-    The trailing singleton is TorchRL's per-step layout when the other dims are the
-    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
-    """
-    trailing_one = x.ndim == batch_dims + 1 and x.shape[-1] == 1
-    return (x.shape[:-1] if trailing_one else x.shape), trailing_one
-
-
-def _mask_or_all(mask: Tensor | None, name: str, shape: torch.Size, ref_name: str, device) -> Tensor:
-    """The bool ``[*B, T]`` mask (validated by the functional core), or all True when absent."""
-    if mask is None:
-        return torch.ones(shape, dtype=torch.bool, device=device)
-    return F._check_mask(_time_last(mask, name, shape, ref_name), shape, ref_name)
 
 
 def _segmented_masked_gae(
@@ -282,7 +249,7 @@ class MaskedGAE(ValueEstimatorBase):
             value_network=value_network, differentiable=differentiable, skip_existing=skip_existing, device=device
         )
         for name, x in (("gamma", gamma), ("lmbda", lmbda)):
-            F._check_unit_interval(name, x)
+            _validate.check_unit_interval(name, x)
             # float64, cast to the data's compute dtype at use: float64 batches get the exact hyper-parameter
             self.register_buffer(name, torch.as_tensor(x, dtype=torch.float64, device=self._device).clone())
         self.average_gae = bool(average_gae)
@@ -293,10 +260,10 @@ class MaskedGAE(ValueEstimatorBase):
             ("next", self.tensor_keys.reward),
             self.tensor_keys.value,
             self.tensor_keys.mask,
-            _next(self.tensor_keys.done),
-            _next(self.tensor_keys.terminated),
-            _next(self.tensor_keys.truncated),
-            _next(self.tensor_keys.value),
+            TD.next_key(self.tensor_keys.done),
+            TD.next_key(self.tensor_keys.terminated),
+            TD.next_key(self.tensor_keys.truncated),
+            TD.next_key(self.tensor_keys.value),
         ]
         if self.value_network is not None:
             keys += [k for k in self.value_network.in_keys if k not in keys]
@@ -350,7 +317,7 @@ class MaskedGAE(ValueEstimatorBase):
         """The value target (raw advantage + value) of :meth:`forward`, without writing anything."""
         tensordict = tensordict.copy()
         if next_value is not None:  # given explicitly: the bootstrap values of the collector layout
-            tensordict.set(_next(self.tensor_keys.value), next_value)
+            tensordict.set(TD.next_key(self.tensor_keys.value), next_value)
         with torch.set_grad_enabled(self.differentiable):
             return self._estimate(tensordict, None, target_params)[1]
 
@@ -375,15 +342,15 @@ class MaskedGAE(ValueEstimatorBase):
                 f"MaskedGAE: the value {keys.value!r} is missing and no value_network was given; "
                 "store the critic's values at rollout time or pass value_network="
             )
-        shape, trailing_one = _step_shape(value, tensordict.batch_dims)
+        shape, trailing_one = TD.step_shape(value, tensordict.batch_dims)
         ref = f"value {keys.value!r}"
-        r = _time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
-        v = _time_last(value, ref, shape, ref)
-        m = _mask_or_all(tensordict.get(keys.mask, None), f"mask {keys.mask!r}", shape, ref, v.device)
+        r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
+        v = TD.time_last(value, ref, shape, ref)
+        m = TD.mask_or_all(tensordict.get(keys.mask, None), f"mask {keys.mask!r}", shape, ref, v.device)
 
-        done = tensordict.get(_next(keys.done), None)
-        terminated = tensordict.get(_next(keys.terminated), None)
-        truncated = tensordict.get(_next(keys.truncated), None)
+        done = tensordict.get(TD.next_key(keys.done), None)
+        terminated = tensordict.get(TD.next_key(keys.terminated), None)
+        truncated = tensordict.get(TD.next_key(keys.truncated), None)
         if done is None and terminated is None and truncated is None:
             # LLM layout: one response per row, terminal after the last valid token.
             adv, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae)
@@ -397,7 +364,7 @@ class MaskedGAE(ValueEstimatorBase):
         keys = self.tensor_keys
 
         def flag(x, key):
-            x = _time_last(x, f"flag {_next(key)!r}", shape, f"value {keys.value!r}")
+            x = TD.time_last(x, f"flag {TD.next_key(key)!r}", shape, f"value {keys.value!r}")
             return x if x.dtype == torch.bool else x != 0
 
         done = None if done is None else flag(done, keys.done)
@@ -409,18 +376,18 @@ class MaskedGAE(ValueEstimatorBase):
             )
         if terminated is None:
             terminated = done & ~truncated if truncated is not None else done
-        next_value = self._values(tensordict, _next(keys.value), next_params, next_step=True)
+        next_value = self._values(tensordict, TD.next_key(keys.value), next_params, next_step=True)
         if next_value is None:
             raise KeyError(
-                f"MaskedGAE: done flags are present (collector layout) but {_next(keys.value)!r} is missing "
+                f"MaskedGAE: done flags are present (collector layout) but {TD.next_key(keys.value)!r} is missing "
                 "and no value_network was given; it is needed to bootstrap truncated trajectories and rows cut "
                 "by the batch boundary (using 0 would treat them as terminated). Store the next values, pass "
                 "value_network=, or drop the done flags for LLM data where every row ends its response."
             )
-        nv = _time_last(next_value, f"next value {_next(keys.value)!r}", shape, f"value {keys.value!r}")
+        nv = TD.time_last(next_value, f"next value {TD.next_key(keys.value)!r}", shape, f"value {keys.value!r}")
         for name, x in (("reward", r), ("value", v), ("next value", nv)):
-            F._check_float(name, x)
-        cd = F._compute_dtype(r, v, nv)
+            _validate.check_float(name, x)
+        cd = _validate.compute_dtype(r, v, nv)
         t_len = shape[-1]
         flat = lambda x: x.reshape(-1, t_len)  # noqa: E731
         gamma, lmbda = self.gamma.to(device=v.device, dtype=cd), self.lmbda.to(device=v.device, dtype=cd)

@@ -1,0 +1,97 @@
+"""TensorDict helpers the TensorDict modules share (internal).
+
+The functional core works on ``[*B, T]`` tensors; TorchRL stores per-step
+scalars as ``[*B, T, 1]``. These helpers adapt one to the other at the module
+edge, read ``("next", key)`` entries, and fetch required entries with an error
+that names the key, the module and the fix (see ``docs/design.md``, "Batch
+layouts"). Nothing here broadcasts: a shape that is neither layout is an error.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torch import Tensor
+
+from ppo_objectives import _validate
+
+_COLLECTOR_FIX = (
+    "this TensorDict looks like a raw collector batch ([N, T] steps of TokenLMEnv, with 'action' and "
+    "('next', ...) entries); convert it to the response layout first with "
+    "ppo_objectives.trajectories_to_llm_batch(batch, prompt_len, max_new_tokens)"
+)
+
+
+def next_key(key: NestedKey) -> tuple[str, ...]:
+    """``("next", *key)``: where TorchRL stores what a step produced."""
+    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+
+
+def key_str(key: NestedKey) -> str:
+    """A key as it is written in code: ``'mask'`` or ``('next', 'reward')``."""
+    return repr(key if isinstance(key, str) else tuple(key))
+
+
+def looks_like_collector_batch(td: TensorDictBase) -> bool:
+    """Whether ``td`` has the per-step layout of a TokenLMEnv collector batch (``action`` and
+    ``("next", "done")``, no response ``mask``)."""
+    keys = td.keys(include_nested=True)
+    return "action" in keys and ("next", "done") in keys and "mask" not in keys
+
+
+def require(td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: str = "") -> Tensor:
+    """``td[key]``, or a ``KeyError`` naming the key, the module and the fix.
+
+    ``what`` says what the entry is (``"the old log-probs"``); ``fix`` how to produce it.
+    A raw collector batch given where a response-layout batch is needed gets the converter
+    to run as its fix.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"mask": torch.ones(2, 3, dtype=torch.bool)}, [2])
+        >>> require(td, "mask", module="Demo", what="the mask").shape
+        torch.Size([2, 3])
+        >>> require(td, "advantage", module="Demo", what="the advantages", fix="run MaskedGAE first")
+        Traceback (most recent call last):
+        ...
+        KeyError: "Demo: the advantages 'advantage' is missing from the TensorDict; run MaskedGAE first"
+    """
+    x = td.get(key, None)
+    if x is not None:
+        return x
+    if looks_like_collector_batch(td):
+        fix = _COLLECTOR_FIX
+    raise KeyError(f"{module}: {what} {key_str(key)} is missing from the TensorDict" + (f"; {fix}" if fix else ""))
+
+
+def time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:
+    """Return ``x`` as ``[*B, T]``: accept exactly ``shape`` or ``shape + (1,)``, nothing else."""
+    if x.shape == shape:
+        return x
+    if x.shape == shape + (1,):
+        return x.squeeze(-1)
+    raise ValueError(
+        f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(shape)}: expected "
+        f"{tuple(shape)} or the TorchRL layout {tuple(shape + (1,))}. Broadcasting it would mix the "
+        f"entries of different tokens or sequences; store one value per token (for a sequence-level "
+        f"score, put it on the last valid token, e.g. with KLPenaltyTransform)."
+    )
+
+
+def step_shape(x: Tensor, batch_dims: int) -> tuple[torch.Size, bool]:
+    """``[*B, T]`` of a per-step entry, and whether ``x`` carries TorchRL's trailing ``1``.
+
+    The trailing singleton is TorchRL's per-step layout when the other dims are the
+    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
+    """
+    trailing_one = x.ndim == batch_dims + 1 and x.shape[-1] == 1
+    return (x.shape[:-1] if trailing_one else x.shape), trailing_one
+
+
+def mask_or_all(mask: Tensor | None, name: str, shape: torch.Size, ref_name: str, device) -> Tensor:
+    """The bool ``[*B, T]`` mask (validated), or all True when absent."""
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return _validate.check_mask(time_last(mask, name, shape, ref_name), shape, ref_name)

@@ -1,0 +1,174 @@
+"""The input checks every layer of ``ppo_objectives`` shares (internal).
+
+One place for the rules written in ``docs/design.md``: what a mask may hold,
+that per-token tensors have one shape and one device, that hyper-parameters
+are finite numbers in their range, and the switch that turns off the checks
+which read tensor data (:func:`value_checks`, re-exported by
+:mod:`ppo_objectives.functional`). The functional core, the TensorDict modules,
+the models and the training job all import this module and nothing private of
+each other. Every error names the argument, what was expected and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+_VALUE_CHECKS = True
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Turn the data-reading input checks on or off inside a ``with`` block.
+
+    Checks of mask *values* (for non-bool masks), of positions inside the
+    sequence and of hyper-parameters given as tensors read tensor data, which
+    costs a host synchronisation on CUDA. Turn them off in a tight loop once
+    the inputs are known to be good; shape, dtype and device checks stay on.
+
+    Example:
+        >>> import torch
+        >>> from ppo_objectives.functional import masked_mean
+        >>> x, m = torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0])
+        >>> with value_checks(False):
+        ...     masked_mean(x, m)
+        tensor(2.)
+    """
+    global _VALUE_CHECKS
+    previous, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = previous
+
+
+def checking_values() -> bool:
+    return _VALUE_CHECKS and not torch.compiler.is_compiling()
+
+
+def check_tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_float(name: str, x: object) -> Tensor:
+    x = check_tensor(name, x)
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor, got dtype {x.dtype}; convert it with {name}.float()"
+        )
+    return x
+
+
+def check_same_shape(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+                f"per-token tensors must have identical shapes (nothing is broadcast, since "
+                f"broadcasting here would silently mix tokens of different sequences)"
+            )
+
+
+def check_same_device(**tensors: Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}; move them with .to(device)")
+
+
+def check_token_tensors(mask: object, **tensors: object) -> Tensor | None:
+    """The common first lines of a per-token function: every tensor float, of one shape, on one
+    device with the mask; returns the mask as bool (``None`` when ``mask`` is ``None``)."""
+    for name, t in tensors.items():
+        check_float(name, t)
+    (ref_name, ref), *_ = tensors.items()
+    check_same_shape(ref_name, ref, **dict(list(tensors.items())[1:]))
+    check_same_device(**tensors, **({} if mask is None else {"mask": check_tensor("mask", mask)}))
+    return None if mask is None else check_mask(mask, ref.shape, ref_name)
+
+
+def check_mask(mask: object, shape: torch.Size, ref_name: str) -> Tensor:
+    """Validate ``mask`` and return it as a bool tensor."""
+    mask = check_tensor("mask", mask)
+    if mask.shape != shape:
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(shape)}; "
+            f"the mask must have exactly the shape of the per-token tensors (no broadcasting)"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool or real with values in {{0, 1}}, got dtype {mask.dtype}")
+    if checking_values() and mask.numel() > 0:
+        binary = ((mask == 0) | (mask == 1)).all()
+        if not bool(binary):
+            bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+            raise ValueError(
+                f"mask must hold only 0 and 1 (True = token takes part), found values such as {bad}; "
+                f"pass a bool mask, e.g. mask > 0.5"
+            )
+    return mask != 0
+
+
+def check_unit_interval(name: str, x: object) -> None:
+    if isinstance(x, Tensor):
+        if x.numel() != 1 or not x.is_floating_point():
+            raise TypeError(f"{name} must be a Python float or a one-element float tensor, got {x.dtype} {tuple(x.shape)}")
+        if x.device.type != "cpu" or not checking_values():
+            return
+        value = float(x)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        value = float(x)
+    else:
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(x).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} is outside [0, 1]; discount and trace factors must lie in [0, 1]")
+
+
+def check_positive(name: str, x: object, *, above: float = 0.0, what: str = "") -> float:
+    if isinstance(x, Tensor) and x.numel() == 1:
+        if x.device.type != "cpu" or not checking_values():
+            return x  # type: ignore[return-value]
+        value = float(x)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        value = float(x)
+    else:
+        raise TypeError(f"{name} must be a positive float, got {type(x).__name__}")
+    if not (value > above and math.isfinite(value)):
+        raise ValueError(f"{name}={value} must be a finite number > {above}{what}")
+    return value
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half precision is promoted)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+
+
+def check_int(name: str, x: object, *, low: int | None = None, high: int | None = None, what: str = "") -> int:
+    """``x`` as an ``int`` (bools refused) within ``[low, high]`` where given; ``what`` is appended to the error."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}{what}")
+    if (low is not None and x < low) or (high is not None and x > high):
+        bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise ValueError(f"{name}={x} must be {bounds}{what}")
+    return x
+
+
+def is_real(x: object, *, low: float = -math.inf, strict: bool = False) -> bool:
+    """Whether ``x`` is a finite Python number (bools excluded) ``>= low`` (``> low`` when ``strict``)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return False
+    return x > low if strict else x >= low
