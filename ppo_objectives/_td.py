@@ -56,14 +56,14 @@ def require(td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: 
         >>> require(td, "advantage", module="Demo", what="the advantages", fix="run MaskedGAE first")
         Traceback (most recent call last):
         ...
-        KeyError: "Demo: the advantages 'advantage' is missing from the TensorDict; run MaskedGAE first"
+        KeyError: "Demo: the TensorDict has no 'advantage' (the advantages); run MaskedGAE first"
     """
     x = td.get(key, None)
     if x is not None:
         return x
     if looks_like_collector_batch(td):
         fix = _COLLECTOR_FIX
-    raise KeyError(f"{module}: {what} {key_str(key)} is missing from the TensorDict" + (f"; {fix}" if fix else ""))
+    raise KeyError(f"{module}: the TensorDict has no {key_str(key)} ({what})" + (f"; {fix}" if fix else ""))
 
 
 def time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:

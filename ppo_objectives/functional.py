@@ -42,14 +42,18 @@ from ppo_objectives import _validate  # the input checks every layer shares
 from ppo_objectives._validate import value_checks
 
 __all__ = [
+    "adaptive_kl_coeff",
     "aggregate_loss",
     "approx_kl",
     "clipped_value_loss",
     "explained_variance",
     "kl_estimate",
+    "kl_penalized_rewards",
+    "last_valid_index",
     "loss_normalizer",
     "masked_gae",
     "masked_gae_reference",
+    "masked_kl_estimate",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -933,6 +937,170 @@ def reference_kl_penalty(
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
     kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp)
     return aggregate_loss(kl, m, loss_agg_mode, normalizer=normalizer)
+
+
+def last_valid_index(mask: Tensor) -> Tensor:
+    """Position of the last valid token of each row: ``[*B]`` int64, ``-1`` for a row with none.
+
+    Where a sequence-level score goes (:func:`kl_penalized_rewards`), and where
+    the reward of a response is read back.
+
+    Args:
+        mask: ``[*B, R]`` bool or {0, 1}, True = token takes part.
+
+    Example:
+        >>> import torch
+        >>> last_valid_index(torch.tensor([[1, 1, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0]]))
+        tensor([ 1,  3, -1])
+    """
+    mask = _validate.check_tensor("mask", mask)
+    if mask.dim() < 1:
+        raise ValueError(f"mask must be [*B, R], got a scalar of shape {tuple(mask.shape)}")
+    m = _validate.check_mask(mask, mask.shape, "mask")
+    if m.shape[-1] == 0:
+        return torch.full(m.shape[:-1], -1, dtype=torch.long, device=m.device)
+    positions = torch.arange(m.shape[-1], device=m.device)
+    return torch.where(m, positions, -1).amax(-1)
+
+
+def masked_kl_estimate(
+    logps: Tensor, ref_logps: Tensor, mask: Tensor, estimator: str = "k1", *, clamp: float | None = None
+) -> Tensor:
+    """:func:`kl_estimate` per token, exactly 0 at masked positions (never read there).
+
+    Args:
+        logps: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
+        ref_logps: ``[*B, R]`` log-probs of the same tokens under the reference.
+        mask: ``[*B, R]`` bool or {0, 1}.
+        estimator: ``"k1"`` (default: the unbiased in-reward choice), ``"k2"``, ``"k3"``, ``"k3+"``.
+        clamp: optional bound on the per-token estimate.
+
+    Returns:
+        ``[*B, R]`` in the dtype of ``logps`` (float32 or better).
+
+    Example:
+        >>> import torch
+        >>> lp, ref = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, float("nan")]])
+        >>> masked_kl_estimate(lp, ref, torch.tensor([[True, False]]))
+        tensor([[0.5000, 0.0000]])
+    """
+    m = _validate.check_token_tensors(mask, logps=logps, ref_logps=ref_logps)
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    kl = kl_estimate(torch.where(m, logps, zero), torch.where(m, ref_logps.to(logps.dtype), zero), estimator, clamp=clamp)
+    return torch.where(m, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
+
+
+def kl_penalized_rewards(
+    rewards: Tensor,
+    logps: Tensor,
+    ref_logps: Tensor,
+    mask: Tensor,
+    kl_coeff: Tensor | float,
+    *,
+    estimator: str = "k1",
+    clamp: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards with the reference-KL penalty: the reward PPO's critic learns.
+
+    Ziegler et al. 2019 (arXiv:1909.08593), Stiennon et al. 2020; the shape of
+    torchtune's ``rlhf.get_rewards_ppo``. For every valid token ``t``::
+
+        kl_t      = KL_est(logps_t, ref_logps_t)                 # k1 = logps - ref_logps by default
+        reward_t  = r_t - kl_coeff * kl_t                         # per-token rewards [*B, R], or
+        reward_t  = score * [t == last valid] - kl_coeff * kl_t   # one score per sequence [*B]
+
+    A sequence-level score lands on the last valid token only, never on every
+    token; a score on a row without a valid token is refused (it would be
+    dropped; this check reads the mask, so it is skipped under
+    :func:`value_checks` ``(False)`` and inside ``torch.compile``). Both
+    outputs are exactly 0 at masked positions, whose inputs are never read.
+
+    Args:
+        rewards: ``[*B, R]`` per-token rewards, or ``[*B]`` one score per sequence.
+        logps: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
+        ref_logps: ``[*B, R]`` log-probs of the same tokens under the frozen reference.
+        mask: ``[*B, R]`` bool or {0, 1}, True = response token.
+        kl_coeff: the penalty weight ``beta`` (float or a one-element tensor).
+        estimator, clamp: see :func:`kl_estimate`.
+
+    Returns:
+        ``(rewards, kl)``: ``[*B, R]`` penalised rewards (dtype of ``rewards``) and
+        the per-token KL (dtype of ``logps``).
+
+    Example:
+        >>> import torch
+        >>> lp, ref = torch.full((2, 3), -1.0), torch.tensor([[-1.5, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+        >>> m = torch.tensor([[True, True, True], [True, True, False]])
+        >>> r, kl = kl_penalized_rewards(torch.tensor([1.0, 3.0]), lp, ref, m, 0.1)
+        >>> r                                # row 0: -0.1 * 0.5 on token 0, score 1 on token 2
+        tensor([[-0.0500,  0.0000,  1.0000],
+                [ 0.0000,  3.0000,  0.0000]])
+    """
+    _validate.check_float("rewards", rewards)
+    kl = masked_kl_estimate(logps, ref_logps, mask, estimator, clamp=clamp)
+    m = _validate.check_mask(mask, logps.shape, "logps")
+    _validate.check_same_device(rewards=rewards, logps=logps)
+    shape = logps.shape
+    if rewards.shape == shape:
+        dense = rewards
+    elif rewards.shape == shape[:-1]:
+        if _validate.checking_values() and m.numel() and not bool(m.any(-1).all()):
+            idx = (~m.any(-1)).nonzero()[:5]
+            empty = idx.flatten().tolist() if idx.shape[1] == 1 else [tuple(i) for i in idx.tolist()]
+            raise ValueError(
+                f"rows {empty} have no valid token (empty mask), so their sequence score "
+                "would be dropped; remove those rows or mark their last token valid"
+            )
+        at_last = m & (torch.arange(shape[-1], device=m.device) == last_valid_index(m).unsqueeze(-1))
+        dense = torch.where(at_last, rewards.unsqueeze(-1), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    else:
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)} but logps define [*B, R] = {tuple(shape)}: expected a "
+            f"per-token reward {tuple(shape)} or one score per sequence {tuple(shape[:-1])}; broadcasting it "
+            "would mix tokens of different sequences"
+        )
+    coeff = torch.as_tensor(kl_coeff, device=kl.device).to(kl.dtype)
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    return torch.where(m, dense - coeff * kl, zero), kl
+
+
+def adaptive_kl_coeff(
+    coeff: Tensor, kl: Tensor | float, target: float, horizon: float, n_steps: int = 1, *, clip: float = 0.2
+) -> Tensor:
+    """One step of the adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, section 2.2)::
+
+        e     = clip(kl / target - 1, -clip, clip)      # proportional error
+        beta' = beta * (1 + e * n_steps / horizon)
+
+    A non-finite ``kl`` (e.g. NaN from an empty batch) leaves ``beta`` unchanged.
+    ``clip * n_steps >= horizon`` is refused (``beta`` could reach 0 or flip sign).
+    No host synchronisation: ``kl`` may be a CUDA tensor.
+
+    Args:
+        coeff: ``[]`` the current ``beta``.
+        kl: the observed KL, in the units of ``target`` (per sequence or per token).
+        target: the KL to steer towards; horizon: adaptation horizon in samples;
+        n_steps: samples behind ``kl``; clip: bound on the proportional error.
+
+    Returns:
+        ``[]`` the new ``beta`` (a new tensor; ``coeff`` is not modified).
+
+    Example:
+        >>> import torch
+        >>> adaptive_kl_coeff(torch.tensor(0.2), 12.0, target=6.0, horizon=100, n_steps=10)
+        tensor(0.2040)
+    """
+    coeff = _validate.check_float("coeff", coeff)
+    if n_steps * clip >= horizon:
+        raise ValueError(
+            f"n_steps={n_steps} with horizon={horizon} and clip={clip}: a step of "
+            f"clip * n_steps / horizon >= 1 could make the KL coefficient zero or negative; use a horizon "
+            f"larger than clip * n_steps (samples per update)"
+        )
+    kl = torch.as_tensor(kl, dtype=coeff.dtype, device=coeff.device).detach().reshape(())
+    error = torch.clamp(kl / target - 1.0, -clip, clip)
+    error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
+    return coeff * (1.0 + error * (n_steps / horizon))
 
 
 # --------------------------------------------------------------------------- #

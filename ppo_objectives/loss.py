@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase, TensorDictParams
 from tensordict.nn import TensorDictModule, dispatch
 from tensordict.utils import NestedKey
+from torch import Tensor
 from torchrl.objectives import LossModule
 from torchrl.objectives.utils import ValueEstimators, dispatch_value_estimator
 from torchrl.objectives.value import ValueEstimatorBase
@@ -438,126 +439,132 @@ class TokenPPOLoss(LossModule):
         count over all ranks, so that DDP's gradient average equals one process holding
         every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
         """
-        k = self.tensor_keys
         td = tensordict.clone(False)
-        if td.get(k.advantage, None) is None:
+        if td.get(self.tensor_keys.advantage, None) is None:
             self.value_estimator(td)
+        batch = self._read_batch(td)
+        new_logp, entropy = self._actor_outputs(td, batch)
+        out = self._policy_terms(batch, new_logp, entropy, normalizer)
+        if self._has_critic:
+            self._critic_terms(td, batch, out, normalizer)
+        return out
 
-        old_logp = td.get(k.sample_log_prob, None)
-        if old_logp is None:
-            raise KeyError(
-                f"TokenPPOLoss: the sampling log-probs {k.sample_log_prob!r} are missing; store the policy's "
-                "per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
-            )
+    def _read_batch(self, td: TensorDictBase) -> _Batch:
+        """The rollout entries as ``[*B, R]`` tensors (detached), with errors that name the missing key."""
+        k = self.tensor_keys
+        fix = "store the policy's per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
+        old_logp = TD.require(td, k.sample_log_prob, module="TokenPPOLoss", what="the sampling log-probs", fix=fix)
         shape, _ = TD.step_shape(old_logp, td.batch_dims)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
-        def get(key, what, required=True):
-            x = td.get(key, None)
-            if x is None:
-                if required:
-                    raise KeyError(f"TokenPPOLoss: {what} {key!r} is missing from the TensorDict")
+        def get(key, what, fix="", required=True):
+            if not required and td.get(key, None) is None:
                 return None
+            x = TD.require(td, key, module="TokenPPOLoss", what=what, fix=fix)
             return TD.time_last(x, f"{what} {key!r}", shape, ref).detach()
 
-        old_logp = get(k.sample_log_prob, "sample_log_prob")
-        advantage = get(k.advantage, "advantage")
-        mask = TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device)
-        ref_logp = get(k.ref_log_prob, "reference log-probs (needed because kl_coeff > 0)", self._requires_ref)
-        if self._has_critic:
-            returns = get(k.value_target, "value target")
-            old_values = get(k.value, "rollout values (needed because clip_value is set)", self.clip_value is not None)
+        critic = self._has_critic
+        return _Batch(
+            shape=shape,
+            ref=ref,
+            old_logp=get(k.sample_log_prob, "sample_log_prob"),
+            advantage=get(k.advantage, "advantage"),
+            mask=TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device),
+            ref_logp=get(k.ref_log_prob, "reference log-probs", "needed because kl_coeff > 0", self._requires_ref),
+            returns=get(k.value_target, "value target", "run the value estimator (MaskedGAE) first") if critic else None,
+            old_values=get(
+                k.value, "rollout values", "needed because clip_value is set", critic and self.clip_value is not None
+            ),
+        )
 
-        actor_out = self._run("actor_network", td, k.log_prob, k.entropy)
-        new_logp = actor_out.get(k.log_prob, None)
+    def _actor_outputs(self, td: TensorDictBase, batch: _Batch) -> tuple[Tensor, Tensor | None]:
+        """The actor's ``[*B, R]`` log-probs (and entropy, when it writes one) under the current parameters."""
+        k = self.tensor_keys
+        out = self._run("actor_network", td, k.log_prob, k.entropy)
+        new_logp = out.get(k.log_prob, None)
         if new_logp is None:
             raise KeyError(
                 f"TokenPPOLoss: the actor network did not write {k.log_prob!r}; it must output the per-token "
                 f"log-probs [B, R] of the response tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})"
             )
-        new_logp = TD.time_last(new_logp, f"actor output {k.log_prob!r}", shape, ref)
-        entropy = actor_out.get(k.entropy, None)
+        entropy = out.get(k.entropy, None)
         if entropy is None and self.entropy_bonus:
             raise KeyError(
                 f"TokenPPOLoss: entropy_coeff is set but the actor network did not write {k.entropy!r}; "
                 "return the per-token entropy [B, R] from the actor (e.g. response_log_probs(..., return_entropy=True))"
             )
+        new_logp = TD.time_last(new_logp, f"actor output {k.log_prob!r}", batch.shape, batch.ref)
+        if entropy is not None:
+            entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", batch.shape, batch.ref)
+        return new_logp, entropy
 
-        if self.normalize_advantage:
-            advantage = F.masked_whiten(advantage, mask)
+    def _policy_terms(self, b: _Batch, new_logp: Tensor, entropy: Tensor | None, normalizer) -> TensorDict:
+        """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics."""
+        agg = {"loss_agg_mode": self.loss_agg_mode, "normalizer": normalizer}
+        advantage = F.masked_whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
         loss_objective, stats = F.ppo_policy_loss(
-            new_logp,
-            old_logp,
-            advantage,
-            mask,
-            self.clip_epsilon,
-            clip_epsilon_high=self.clip_epsilon_high,
-            dual_clip=self.dual_clip,
-            loss_agg_mode=self.loss_agg_mode,
-            normalizer=normalizer,
-            return_stats=True,
-        )
+            new_logp, b.old_logp, advantage, b.mask, self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
+            dual_clip=self.dual_clip, return_stats=True, **agg,
+        )  # fmt: skip
         out = TensorDict({"loss_objective": loss_objective})
         zero = loss_objective.new_zeros(())
-
-        if ref_logp is not None:
+        out.set("loss_kl_ref", zero)
+        if b.ref_logp is not None:
             kl_ref = F.reference_kl_penalty(
-                new_logp,
-                ref_logp,
-                mask,
-                estimator=self.kl_estimator,
-                clamp=self.kl_clamp,
-                loss_agg_mode=self.loss_agg_mode,
-                normalizer=normalizer,
+                new_logp, b.ref_logp, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **agg
             )
             out.set("loss_kl_ref", self.kl_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
-        else:
-            out.set("loss_kl_ref", zero)
-
+        out.set("loss_entropy", zero)
         if entropy is not None:
-            entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", shape, ref)
-            agg_entropy = F.aggregate_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
-            out.set("loss_entropy", -self.entropy_coeff * agg_entropy)
-            out.set("entropy", F.masked_mean(entropy.detach(), mask))
-        else:
-            out.set("loss_entropy", zero)
-
-        if self._has_critic:
-            critic_out = self._run("critic_network", td, k.value)
-            values = critic_out.get(k.value, None)
-            if values is None:
-                raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
-            values = TD.time_last(values, f"critic output {k.value!r}", shape, ref)
-            if self.clip_value is None:
-                # No clipping: with V_old = V both branches are (V - G)^2.
-                loss_critic = F.clipped_value_loss(
-                    values, values.detach(), returns, mask, 1.0, loss_agg_mode=self.loss_agg_mode, normalizer=normalizer
-                )
-            else:
-                loss_critic, vstats = F.clipped_value_loss(
-                    values,
-                    old_values,
-                    returns,
-                    mask,
-                    self.clip_value,
-                    loss_agg_mode=self.loss_agg_mode,
-                    normalizer=normalizer,
-                    return_stats=True,
-                )
-                out.set("value_clip_fraction", vstats["value_clip_fraction"])
-            out.set("loss_critic", self.critic_coeff * loss_critic)
-            out.set("explained_variance", F.explained_variance(values.detach(), returns, mask))
-
-        out.set("clip_fraction", stats["clip_fraction"])
-        out.set("clip_fraction_low", stats["clip_fraction_low"])
-        out.set("clip_fraction_high", stats["clip_fraction_high"])
-        out.set("kl_approx", stats["approx_kl"])
-        out.set("kl_approx_token_max", stats["approx_kl_max"])
-        out.set("ratio_mean", stats["ratio_mean"])
-        out.set("ratio_max", stats["ratio_max"])
-        out.set("ESS", stats["ess"])
+            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, b.mask, self.loss_agg_mode, normalizer=normalizer))
+            out.set("entropy", F.masked_mean(entropy.detach(), b.mask))
+        for name, stat in _POLICY_STATS:
+            out.set(name, stats[stat])
         if self.dual_clip is not None:
             out.set("dual_clip_fraction", stats["dual_clip_fraction"])
         return out
 
+    def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, normalizer) -> None:
+        """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
+        k = self.tensor_keys
+        values = self._run("critic_network", td, k.value).get(k.value, None)
+        if values is None:
+            raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
+        values = TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref)
+        agg = {"loss_agg_mode": self.loss_agg_mode, "normalizer": normalizer}
+        if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
+            loss_critic = F.clipped_value_loss(values, values.detach(), b.returns, b.mask, 1.0, **agg)
+        else:
+            loss_critic, vstats = F.clipped_value_loss(
+                values, b.old_values, b.returns, b.mask, self.clip_value, return_stats=True, **agg
+            )
+            out.set("value_clip_fraction", vstats["value_clip_fraction"])
+        out.set("loss_critic", self.critic_coeff * loss_critic)
+        out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
+
+
+class _Batch(NamedTuple):
+    """The entries :class:`TokenPPOLoss` reads, as ``[*B, R]`` tensors; ``ref`` names the reference shape."""
+
+    shape: torch.Size
+    ref: str
+    old_logp: Tensor
+    advantage: Tensor
+    mask: Tensor
+    ref_logp: Tensor | None
+    returns: Tensor | None
+    old_values: Tensor | None
+
+
+# (loss output, functional.ppo_policy_loss statistic)
+_POLICY_STATS = (
+    ("clip_fraction", "clip_fraction"),
+    ("clip_fraction_low", "clip_fraction_low"),
+    ("clip_fraction_high", "clip_fraction_high"),
+    ("kl_approx", "approx_kl"),
+    ("kl_approx_token_max", "approx_kl_max"),
+    ("ratio_mean", "ratio_mean"),
+    ("ratio_max", "ratio_max"),
+    ("ESS", "ess"),
+)

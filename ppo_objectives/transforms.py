@@ -13,13 +13,13 @@ estimate is :func:`ppo_objectives.functional.kl_estimate`.
 
 from __future__ import annotations
 
-import math
 import warnings
+from dataclasses import dataclass, replace
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, dispatch
-from tensordict.utils import NestedKey
+from tensordict.utils import NestedKey, unravel_key
 from torch import Tensor, nn
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
@@ -32,14 +32,6 @@ from ppo_objectives import _validate
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 
 _NESTED_PROTOTYPE_WARNING = "The PyTorch API of nested tensors is in prototype stage"
-
-
-def _is_nonnegative_float(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def _as_tensor(x: Tensor | float, like: Tensor) -> Tensor:
-    return torch.as_tensor(x, dtype=like.dtype, device=like.device).detach().reshape(())
 
 
 class FixedKLController(nn.Module):
@@ -57,7 +49,7 @@ class FixedKLController(nn.Module):
 
     def __init__(self, coeff: float = 0.05):
         super().__init__()
-        if not _is_nonnegative_float(coeff):
+        if not _validate.is_real(coeff, low=0):
             raise ValueError(f"coeff={coeff!r} must be a float >= 0 and finite (the weight of the KL penalty)")
         self.register_buffer("coeff", torch.tensor(float(coeff)))
 
@@ -101,7 +93,7 @@ class AdaptiveKLController(nn.Module):
 
     def __init__(self, init_coeff: float = 0.2, target: float = 6.0, horizon: float = 10000, *, clip: float = 0.2):
         super().__init__()
-        if not _is_nonnegative_float(init_coeff):
+        if not _validate.is_real(init_coeff, low=0):
             raise ValueError(f"init_coeff={init_coeff!r} must be a float >= 0 and finite")
         _validate.check_positive("target", target, what=" (the KL the controller steers towards)")
         _validate.check_positive("horizon", horizon, what=" (samples over which beta adapts)")
@@ -120,16 +112,7 @@ class AdaptiveKLController(nn.Module):
 
         A non-finite ``kl`` (e.g. NaN from an empty batch) leaves ``coeff`` unchanged.
         """
-        if n_steps * self.clip >= self.horizon:
-            raise ValueError(
-                f"n_steps={n_steps} with horizon={self.horizon} and clip={self.clip}: a step of "
-                f"clip * n_steps / horizon >= 1 could make the KL coefficient zero or negative; use a horizon "
-                f"larger than clip * n_steps (samples per update)"
-            )
-        kl = _as_tensor(kl, self.coeff)
-        error = torch.clamp(kl / self.target - 1.0, -self.clip, self.clip)
-        error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
-        self.coeff.mul_(1.0 + error * (n_steps / self.horizon))
+        self.coeff.copy_(F.adaptive_kl_coeff(self.coeff, kl, self.target, self.horizon, n_steps, clip=self.clip))
         return self.coeff
 
 
@@ -143,8 +126,8 @@ class KLPenaltyTransform(Transform):
 
     ``KL_est`` is :func:`ppo_objectives.functional.kl_estimate` (Schulman 2020,
     "Approximating KL Divergence"); k1 is the unbiased choice inside a reward
-    (Ziegler et al. 2019, arXiv:1909.08593; Stiennon et al. 2020). A
-    sequence-level score (one reward per response, shape ``[*B]`` or
+    (Ziegler et al. 2019, arXiv:1909.08593; Stiennon et al. 2020); the arithmetic is
+    :func:`ppo_objectives.functional.kl_penalized_rewards`. A sequence-level score (one reward per response, shape ``[*B]`` or
     ``[*B, 1]``) is placed on the last valid token and the other tokens get only
     the penalty: the score is never copied onto every token (a score on a row
     without any valid token is refused, since it would be dropped; that check
@@ -161,18 +144,18 @@ class KLPenaltyTransform(Transform):
     responses of the per-response sum) hold the observed KL, detached, for
     ``kl_controller.update(...)``.
 
-    Keys (names via the constructor):
+    Keys (names via :meth:`set_keys`, fields of :class:`KLPenaltyTransform._AcceptedKeys`):
 
-    ==================================== ============== =====================================
-    key                                  shape          role
-    ==================================== ============== =====================================
-    ``"sample_log_prob"`` log_prob_key   [*B, R(, 1)]   read: sampling policy's log-probs
-    ``"ref_log_prob"`` ref_log_prob_key  [*B, R(, 1)]   read if present, else written
-    ``"mask"`` mask_key                  [*B, R(, 1)]   read (optional): response tokens
-    ``("next", "reward")`` reward_key    [*B, R(, 1)]   read and written (add_to_reward);
-                                         or [*B(, 1)]   a sequence score becomes [*B, R(, 1)]
-    ``"kl_penalty"`` kl_key              [*B, R]        written: per-token KL, 0 where masked
-    ==================================== ============== =====================================
+    ================================ ============== =====================================
+    key (field)                      shape          role
+    ================================ ============== =====================================
+    ``"sample_log_prob"`` log_prob   [*B, R(, 1)]   read: sampling policy's log-probs
+    ``"ref_log_prob"`` ref_log_prob  [*B, R(, 1)]   read if present, else written
+    ``"mask"`` mask                  [*B, R(, 1)]   read (optional): response tokens
+    ``("next", "reward")`` reward    [*B, R(, 1)]   read and written (add_to_reward);
+                                     or [*B(, 1)]   a sequence score becomes [*B, R(, 1)]
+    ``"kl_penalty"`` kl              [*B, R]        written: per-token KL, 0 where masked
+    ================================ ============== =====================================
 
     Where it runs:
 
@@ -203,9 +186,9 @@ class KLPenaltyTransform(Transform):
         clamp: optional bound on the per-token estimate.
         add_to_reward: subtract ``coeff * kl`` from the reward (default True);
             when False only ``kl_key`` and ``ref_log_prob_key`` are written.
-        log_prob_key, ref_log_prob_key, ref_model_log_prob_key, mask_key, kl_key:
-            entry names (defaults above).
-        reward_key: the reward entry, read under ``"next"`` offline (default ``"reward"``).
+        log_prob_key, ref_log_prob_key, ref_model_log_prob_key, mask_key, kl_key, reward_key:
+            entry names, the same as ``set_keys(log_prob=..., ...)`` (the reward is read
+            under ``"next"`` offline).
 
     Example:
         >>> import torch
@@ -247,6 +230,27 @@ class KLPenaltyTransform(Transform):
                  [0.]]])
     """
 
+    @dataclass
+    class _AcceptedKeys:
+        """Configurable TensorDict keys of :class:`KLPenaltyTransform` (set them with :meth:`set_keys`).
+
+        Attributes:
+            log_prob: the sampling policy's log-probs of the sampled tokens. Defaults to ``"sample_log_prob"``.
+            ref_log_prob: the reference's log-probs, read if present, else written. Defaults to ``"ref_log_prob"``.
+            ref_model_log_prob: what ``ref_model`` writes. Defaults to ``"log_prob"``.
+            mask: response tokens that take part (optional entry). Defaults to ``"mask"``.
+            kl: the per-token KL written. Defaults to ``"kl_penalty"``.
+            reward: the reward, read under ``"next"`` offline. Defaults to ``"reward"``.
+        """
+
+        log_prob: NestedKey = "sample_log_prob"
+        ref_log_prob: NestedKey = "ref_log_prob"
+        ref_model_log_prob: NestedKey = "log_prob"
+        mask: NestedKey = "mask"
+        kl: NestedKey = "kl_penalty"
+        reward: NestedKey = "reward"
+
+    default_keys = _AcceptedKeys
     invertible = False
 
     def __init__(
@@ -257,47 +261,53 @@ class KLPenaltyTransform(Transform):
         estimator: str = "k1",
         clamp: float | None = None,
         add_to_reward: bool = True,
-        log_prob_key: NestedKey = "sample_log_prob",
-        ref_log_prob_key: NestedKey = "ref_log_prob",
-        ref_model_log_prob_key: NestedKey = "log_prob",
-        mask_key: NestedKey = "mask",
-        kl_key: NestedKey = "kl_penalty",
-        reward_key: NestedKey = "reward",
+        **keys: NestedKey,
     ):
         if estimator not in F.KL_ESTIMATORS:
             raise ValueError(f"estimator={estimator!r} is not one of {F.KL_ESTIMATORS}")
         if clamp is not None:
             _validate.check_positive("clamp", clamp)
-        if isinstance(coeff, nn.Module):
-            if not hasattr(coeff, "coeff") or not callable(getattr(coeff, "update", None)):
-                raise TypeError(
-                    f"coeff={type(coeff).__name__} is not a KL controller: it needs a 'coeff' buffer and an "
-                    "update(kl, n_steps) method (use FixedKLController or AdaptiveKLController)"
-                )
-            controller = coeff
-        else:
-            controller = FixedKLController(coeff)
-        in_keys = [log_prob_key, ref_log_prob_key, mask_key] + ([TD.next_key(reward_key)] if add_to_reward else [])
-        out_keys = [kl_key, ref_log_prob_key] + ([TD.next_key(reward_key)] if add_to_reward else [])
-        super().__init__(in_keys=in_keys, out_keys=out_keys)
+        super().__init__(in_keys=[], out_keys=[])
         self.ref_model = ref_model
-        self.kl_controller = controller
+        self.kl_controller = _as_controller(coeff)
         self.estimator = estimator
         self.clamp = clamp
         self.add_to_reward = bool(add_to_reward)
-        self.log_prob_key = log_prob_key
-        self.ref_log_prob_key = ref_log_prob_key
-        self.ref_model_log_prob_key = ref_model_log_prob_key
-        self.mask_key = mask_key
-        self.kl_key = kl_key
-        self.reward_key = reward_key
+        self.tensor_keys = self._AcceptedKeys()
+        self.set_keys(**{_key_field(name): value for name, value in keys.items()})
         self.register_buffer("last_kl", torch.zeros(()), persistent=False)
         self.register_buffer("last_seq_kl", torch.zeros(()), persistent=False)
+
+    def set_keys(self, **kwargs: NestedKey) -> KLPenaltyTransform:
+        """Rename entries, e.g. ``set_keys(log_prob="old_log_prob", reward="score")``; returns ``self``.
+
+        The fields are those of :class:`KLPenaltyTransform._AcceptedKeys`; the constructor's
+        ``log_prob_key=``-style keywords are the same thing.
+        """
+        fields = self._AcceptedKeys.__dataclass_fields__
+        for name, value in kwargs.items():
+            if name not in fields:
+                raise KeyError(f"KLPenaltyTransform.set_keys: {name!r} is not one of {sorted(fields)}")
+            if not isinstance(value, (str, tuple)):
+                raise TypeError(f"KLPenaltyTransform.set_keys: {name}={value!r} must be a str or a tuple of str")
+        self.tensor_keys = replace(self.tensor_keys, **{n: unravel_key(v) for n, v in kwargs.items()})
+        k, reward = self.tensor_keys, [TD.next_key(self.tensor_keys.reward)] if self.add_to_reward else []
+        self.in_keys = [k.log_prob, k.ref_log_prob, k.mask] + reward
+        self.out_keys = [k.kl, k.ref_log_prob] + reward
+        return self
 
     @property
     def coeff(self) -> Tensor:
         """The current KL coefficient (the controller's ``coeff`` buffer)."""
         return self.kl_controller.coeff
+
+    # the constructor's keyword names, kept as read-only attributes
+    log_prob_key = property(lambda self: self.tensor_keys.log_prob)
+    ref_log_prob_key = property(lambda self: self.tensor_keys.ref_log_prob)
+    ref_model_log_prob_key = property(lambda self: self.tensor_keys.ref_model_log_prob)
+    mask_key = property(lambda self: self.tensor_keys.mask)
+    kl_key = property(lambda self: self.tensor_keys.kl)
+    reward_key = property(lambda self: self.tensor_keys.reward)
 
     # ------------------------------------------------------------------ helpers
 
@@ -310,82 +320,62 @@ class KLPenaltyTransform(Transform):
         return isinstance(container, EnvBase)
 
     def _ref_log_prob(self, tensordict: TensorDictBase) -> Tensor:
-        ref = tensordict.get(self.ref_log_prob_key, None)
+        k = self.tensor_keys
+        ref = tensordict.get(k.ref_log_prob, None)
         if ref is not None:
             return ref
         if self.ref_model is None:
             raise KeyError(
-                f"KLPenaltyTransform: {self.ref_log_prob_key!r} is missing and no ref_model was given; "
+                f"KLPenaltyTransform: {k.ref_log_prob!r} is missing and no ref_model was given; "
                 "precompute the reference log-probs or pass ref_model="
             )
         with torch.no_grad():
             out = self.ref_model(tensordict.copy())
-        ref = out.get(self.ref_model_log_prob_key, None)
-        if ref is None:
-            raise KeyError(
-                f"KLPenaltyTransform: the ref_model did not write {self.ref_model_log_prob_key!r}; it must output "
-                "the per-token log-probs of the sampled tokens (set ref_model_log_prob_key= to its out key)"
-            )
-        return ref.detach()
+        fix = f"it must output the per-token log-probs of the sampled tokens (set_keys(ref_model_log_prob=...) to its out key)"
+        return TD.require(out, k.ref_model_log_prob, module="KLPenaltyTransform", what="the ref_model output", fix=fix).detach()
 
-    def _kl(self, logp: Tensor, ref: Tensor, mask: Tensor) -> Tensor:
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        kl = F.kl_estimate(
-            torch.where(mask, logp, zero), torch.where(mask, ref.to(logp.dtype), zero), self.estimator, clamp=self.clamp
-        )
-        return torch.where(mask, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
+    def _log_prob(self, tensordict: TensorDictBase) -> Tensor:
+        fix = "store the policy's per-token log-probs at rollout time, or name the entry with set_keys(log_prob=...)"
+        return TD.require(tensordict, self.tensor_keys.log_prob, module="KLPenaltyTransform", what="the sampling log-probs", fix=fix)
 
     def _penalize(self, logp: Tensor, ref: Tensor, mask: Tensor | None, reward: Tensor | None, batch_dims: int):
-        """Dense core: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or None)``.
+        """One dense batch: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or None)``.
 
-        A trailing singleton of ``logp`` is TorchRL's per-step layout ``[*batch, 1]`` when
-        the other dims are the TensorDict's batch dims (``batch_dims``).
+        Layout only: the arithmetic is :func:`~ppo_objectives.functional.kl_penalized_rewards`. A
+        trailing singleton is TorchRL's per-step layout when the other dims are the batch dims.
         """
+        k = self.tensor_keys
         shape, _ = TD.step_shape(logp, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
         if reward is not None and reward.shape == logp.shape + (1,):
             shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
-            raise ValueError(
-                f"KLPenaltyTransform: {self.log_prob_key!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]"
-            )
-        ref_name = f"log-probs {self.log_prob_key!r}"
+            raise ValueError(f"KLPenaltyTransform: {k.log_prob!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]")
+        ref_name = f"log-probs {k.log_prob!r}"
         _validate.check_same_device(sample_log_prob=logp, ref_log_prob=ref, mask=mask, reward=reward)
         logp = TD.time_last(logp, ref_name, shape, ref_name)
-        ref = TD.time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, ref_name)
+        ref = TD.time_last(ref, f"reference log-probs {k.ref_log_prob!r}", shape, ref_name)
         _validate.check_float("sample_log_prob", logp)
         _validate.check_float("ref_log_prob", ref)
-        m = TD.mask_or_all(mask, f"mask {self.mask_key!r}", shape, ref_name, logp.device)
-        kl = self._kl(logp, ref, m)
+        m = TD.mask_or_all(mask, f"mask {k.mask!r}", shape, ref_name, logp.device)
         if reward is None:
-            return kl, ref, m, None
+            return F.masked_kl_estimate(logp, ref, m, self.estimator, clamp=self.clamp), ref, m, None
         _validate.check_float("reward", reward)
-        coeff = self.coeff.to(device=kl.device, dtype=kl.dtype)
-        zero = torch.zeros((), dtype=reward.dtype, device=reward.device)
-        if reward.shape in (shape, shape + (1,)):
-            dense = TD.time_last(reward, "reward", shape, ref_name)
-            new = torch.where(m, dense - coeff * kl, zero)
+        per_token = reward.shape in (shape, shape + (1,))
+        if not per_token and reward.shape not in (shape[:-1], shape[:-1] + (1,)):
+            raise ValueError(
+                f"KLPenaltyTransform: reward {TD.next_key(k.reward)!r} has shape {tuple(reward.shape)} but the "
+                f"log-probs {k.log_prob!r} define [*B, R] = {tuple(shape)}: expected a per-token reward "
+                f"{tuple(shape)} / {tuple(shape + (1,))} or one score per sequence {tuple(shape[:-1])} / "
+                f"{tuple(shape[:-1] + (1,))}; broadcasting it would mix tokens of different sequences"
+            )
+        flat = reward.reshape(shape if per_token else shape[:-1])
+        try:
+            new, kl = F.kl_penalized_rewards(flat, logp, ref, m, self.coeff, estimator=self.estimator, clamp=self.clamp)
+        except ValueError as err:
+            raise ValueError(f"KLPenaltyTransform: {err}") from None
+        if per_token:
             return kl, ref, m, new.reshape(reward.shape)
-        if reward.shape in (shape[:-1], shape[:-1] + (1,)):
-            # A sequence-level score: put it on the last valid token, never on every token.
-            score = reward.reshape(shape[:-1])
-            if _validate.checking_values() and m.numel() and not bool(m.any(-1).all()):
-                empty = (~m.any(-1)).nonzero().flatten()[:5].tolist()
-                raise ValueError(
-                    f"KLPenaltyTransform: rows {empty} have no valid token (empty mask), so their sequence score "
-                    "would be dropped; remove those rows or mark their last token valid"
-                )
-            positions = torch.arange(shape[-1], device=m.device)
-            last = torch.where(m, positions, -1).amax(-1, keepdim=True)
-            at_last = m & (positions == last)
-            dense = torch.where(at_last, score.unsqueeze(-1), zero)
-            new = torch.where(m, dense - coeff * kl, zero)
-            return kl, ref, m, (new.unsqueeze(-1) if reward.shape == shape[:-1] + (1,) else new)
-        raise ValueError(
-            f"KLPenaltyTransform: reward {TD.next_key(self.reward_key)!r} has shape {tuple(reward.shape)} but the log-probs "
-            f"{self.log_prob_key!r} define [*B, R] = {tuple(shape)}: expected a per-token reward {tuple(shape)} / "
-            f"{tuple(shape + (1,))} or one score per sequence {tuple(shape[:-1])} / {tuple(shape[:-1] + (1,))}; "
-            "broadcasting it would mix tokens of different sequences"
-        )
+        return kl, ref, m, (new.unsqueeze(-1) if reward.shape == shape[:-1] + (1,) else new)
 
     def _record(self, kls: list[Tensor], masks: list[Tensor]) -> None:
         """Observed KL of what was just penalised (detached): masked token mean, mean per-response sum."""
@@ -398,64 +388,47 @@ class KLPenaltyTransform(Transform):
 
     # ------------------------------------------------------------------ offline path
 
+    def _penalize_one(self, td: TensorDictBase, logp: Tensor, batch_dims: int) -> tuple[Tensor, Tensor]:
+        """Penalise one dense TensorDict in place; returns ``(kl, mask)``."""
+        k = self.tensor_keys
+        kl, ref, m, new_reward = self._penalize(
+            logp, self._ref_log_prob(td), td.get(k.mask, None), self._get_reward(td), batch_dims
+        )
+        td.set(k.kl, kl)
+        td.set(k.ref_log_prob, ref.reshape(logp.shape))
+        if new_reward is not None:
+            td.set(TD.next_key(k.reward), new_reward)
+        return kl, m
+
     def _penalize_batch(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict.get(self.kl_key, None) is not None:
+        if tensordict.get(self.tensor_keys.kl, None) is not None:
             return tensordict  # already penalised (collector postproc / extend): do not apply twice
-        if isinstance(tensordict, LazyStackedTensorDict):
-            return self._apply_lazy(tensordict)
-        logp = tensordict.get(self.log_prob_key, None)
-        if logp is None:
-            raise KeyError(f"KLPenaltyTransform: the sampling log-probs {self.log_prob_key!r} are missing")
+        if isinstance(tensordict, LazyStackedTensorDict):  # ragged responses: one at a time
+            kls, masks = zip(*(self._penalize_one(sub, self._log_prob(sub), 1) for sub in tensordict.tensordicts))
+            self._record(list(kls), list(masks))
+            return tensordict
+        logp = self._log_prob(tensordict)
         if logp.is_nested:
             return self._apply_nested(tensordict, logp)
-        ref = self._ref_log_prob(tensordict)
-        reward = self._get_reward(tensordict)
-        kl, ref, m, new_reward = self._penalize(
-            logp, ref, tensordict.get(self.mask_key, None), reward, tensordict.batch_dims
-        )
+        kl, m = self._penalize_one(tensordict, logp, tensordict.batch_dims)
         self._record([kl], [m])
-        tensordict.set(self.kl_key, kl)
-        tensordict.set(self.ref_log_prob_key, ref.reshape(logp.shape))
-        if new_reward is not None:
-            tensordict.set(TD.next_key(self.reward_key), new_reward)
         return tensordict
 
     def _get_reward(self, tensordict: TensorDictBase) -> Tensor | None:
         if not self.add_to_reward:
             return None
-        reward = tensordict.get(TD.next_key(self.reward_key), None)
-        if reward is None:
-            raise KeyError(
-                f"KLPenaltyTransform: add_to_reward=True but the reward {TD.next_key(self.reward_key)!r} is missing; "
-                "store the per-token (or per-sequence) reward, or pass add_to_reward=False"
-            )
-        return reward
-
-    def _apply_lazy(self, tensordict: LazyStackedTensorDict) -> TensorDictBase:
-        kls, masks = [], []
-        for sub in tensordict.tensordicts:
-            logp = sub.get(self.log_prob_key, None)
-            if logp is None:
-                raise KeyError(f"KLPenaltyTransform: the sampling log-probs {self.log_prob_key!r} are missing")
-            kl, ref, m, new_reward = self._penalize(
-                logp, self._ref_log_prob(sub), sub.get(self.mask_key, None), self._get_reward(sub), 1
-            )
-            sub.set(self.kl_key, kl)
-            sub.set(self.ref_log_prob_key, ref.reshape(logp.shape))
-            if new_reward is not None:
-                sub.set(TD.next_key(self.reward_key), new_reward)
-            kls.append(kl)
-            masks.append(m)
-        self._record(kls, masks)
-        return tensordict
+        fix = "store the per-token (or per-sequence) reward, or pass add_to_reward=False"
+        key = TD.next_key(self.tensor_keys.reward)
+        return TD.require(tensordict, key, module="KLPenaltyTransform", what="the reward, needed because add_to_reward=True", fix=fix)
 
     def _apply_nested(self, tensordict: TensorDictBase, logp: Tensor) -> TensorDictBase:
         def rows(x):
             return None if x is None else list(x.unbind(0))
 
+        k = self.tensor_keys
         logps = rows(logp)
         refs = rows(self._ref_log_prob(tensordict))
-        masks = rows(tensordict.get(self.mask_key, None)) or [None] * len(logps)
+        masks = rows(tensordict.get(k.mask, None)) or [None] * len(logps)
         rewards = rows(self._get_reward(tensordict)) or [None] * len(logps)
         out = [self._penalize(lp, refs[i], masks[i], rewards[i], 1) for i, lp in enumerate(logps)]
         kls, out_ref, out_m, out_rew = (list(x) for x in zip(*out))
@@ -463,10 +436,10 @@ class KLPenaltyTransform(Transform):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NESTED_PROTOTYPE_WARNING)
             nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.strided)  # noqa: E731
-            tensordict.set(self.kl_key, nest(kls))
-            tensordict.set(self.ref_log_prob_key, nest(out_ref))
+            tensordict.set(k.kl, nest(kls))
+            tensordict.set(k.ref_log_prob, nest(out_ref))
             if self.add_to_reward:
-                tensordict.set(TD.next_key(self.reward_key), nest(out_rew))
+                tensordict.set(TD.next_key(k.reward), nest(out_rew))
         return tensordict
 
     @dispatch(source="in_keys", dest="out_keys")
@@ -488,12 +461,13 @@ class KLPenaltyTransform(Transform):
     # ------------------------------------------------------------------ env path
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        logp = tensordict.get(self.log_prob_key, None)
+        k = self.tensor_keys
+        logp = tensordict.get(k.log_prob, None)
         if logp is None:
             if self.missing_tolerance:  # e.g. random actions in check_env_specs: no KL to measure
                 return self._reset(tensordict, next_tensordict)
             raise KeyError(
-                f"KLPenaltyTransform: the policy must write {self.log_prob_key!r} (the log-prob of the sampled "
+                f"KLPenaltyTransform: the policy must write {k.log_prob!r} (the log-prob of the sampled "
                 "token) before env.step; e.g. ProbabilisticActor(..., return_log_prob=True), or call "
                 "set_missing_tolerance(True) to let steps without it through unpenalised"
             )
@@ -502,30 +476,28 @@ class KLPenaltyTransform(Transform):
                 "KLPenaltyTransform: inside an env the reference log-prob of each new token must be computed at "
                 "that step (the root entry holds the previous step's); pass ref_model="
             )
-        ref = self._ref_log_prob(tensordict.exclude(self.ref_log_prob_key))
-        shape = next_tensordict.batch_size
-        ref_name = f"log-probs {self.log_prob_key!r}"
-        logp = TD.time_last(logp, ref_name, shape, "the env's batch")
-        ref = TD.time_last(ref, f"reference log-probs {self.ref_log_prob_key!r}", shape, "the env's batch")
-        m = TD.mask_or_all(tensordict.get(self.mask_key, None), f"mask {self.mask_key!r}", shape, "the env's batch", logp.device)
-        kl = self._kl(logp, ref, m)
-        if self.add_to_reward:
-            reward = next_tensordict.get(self.reward_key)
-            coeff = self.coeff.to(device=kl.device, dtype=kl.dtype)
-            penalty = (coeff * kl).to(reward.dtype)
-            next_tensordict.set(self.reward_key, reward - penalty.reshape(reward.shape))
-        next_tensordict.set(self.kl_key, kl)
-        next_tensordict.set(self.ref_log_prob_key, ref.detach())
+        ref = self._ref_log_prob(tensordict.exclude(k.ref_log_prob))
+        shape, where = next_tensordict.batch_size, "the env's batch"
+        logp = TD.time_last(logp, f"log-probs {k.log_prob!r}", shape, where)
+        ref = TD.time_last(ref, f"reference log-probs {k.ref_log_prob!r}", shape, where)
+        m = TD.mask_or_all(tensordict.get(k.mask, None), f"mask {k.mask!r}", shape, where, logp.device)
+        kl = F.masked_kl_estimate(logp, ref, m, self.estimator, clamp=self.clamp)
+        if self.add_to_reward:  # the step's reward [*B, 1]: unmasked, it is the env's to define
+            reward = next_tensordict.get(k.reward)
+            penalty = (self.coeff.to(device=kl.device, dtype=kl.dtype) * kl).to(reward.dtype)
+            next_tensordict.set(k.reward, reward - penalty.reshape(reward.shape))
+        next_tensordict.set(k.kl, kl)
+        next_tensordict.set(k.ref_log_prob, ref.detach())
         return next_tensordict
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         zeros = torch.zeros(tensordict_reset.batch_size, device=tensordict_reset.device)
-        tensordict_reset.set(self.kl_key, zeros)
-        tensordict_reset.set(self.ref_log_prob_key, zeros.clone())
+        tensordict_reset.set(self.tensor_keys.kl, zeros)
+        tensordict_reset.set(self.tensor_keys.ref_log_prob, zeros.clone())
         return tensordict_reset
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        for key in (self.kl_key, self.ref_log_prob_key):
+        for key in (self.tensor_keys.kl, self.tensor_keys.ref_log_prob):
             observation_spec[key] = Unbounded(
                 shape=observation_spec.shape, dtype=torch.float32, device=observation_spec.device
             )
@@ -533,13 +505,34 @@ class KLPenaltyTransform(Transform):
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         if self.add_to_reward:
-            old = reward_spec[self.reward_key]
+            old = reward_spec[self.tensor_keys.reward]
             # reward - coeff * kl leaves any bounds the env declared.
-            reward_spec[self.reward_key] = Unbounded(shape=old.shape, dtype=old.dtype, device=old.device)
+            reward_spec[self.tensor_keys.reward] = Unbounded(shape=old.shape, dtype=old.dtype, device=old.device)
         return reward_spec
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(estimator={self.estimator!r}, add_to_reward={self.add_to_reward}, "
-            f"controller={type(self.kl_controller).__name__}, kl_key={self.kl_key!r})"
+            f"controller={type(self.kl_controller).__name__}, kl_key={self.tensor_keys.kl!r})"
         )
+
+
+def _key_field(name: str) -> str:
+    """``log_prob_key`` (constructor keyword) -> ``log_prob`` (:meth:`KLPenaltyTransform.set_keys` field)."""
+    fields = KLPenaltyTransform._AcceptedKeys.__dataclass_fields__
+    if not name.endswith("_key") or name[: -len("_key")] not in fields:
+        accepted = ", ".join(f"{f}_key" for f in fields)
+        raise TypeError(f"KLPenaltyTransform() got an unexpected keyword argument {name!r} (key keywords: {accepted})")
+    return name[: -len("_key")]
+
+
+def _as_controller(coeff: float | nn.Module) -> nn.Module:
+    """A KL controller module: ``coeff`` itself, or a :class:`FixedKLController` for a float."""
+    if not isinstance(coeff, nn.Module):
+        return FixedKLController(coeff)
+    if not hasattr(coeff, "coeff") or not callable(getattr(coeff, "update", None)):
+        raise TypeError(
+            f"coeff={type(coeff).__name__} is not a KL controller: it needs a 'coeff' buffer and an "
+            "update(kl, n_steps) method (use FixedKLController or AdaptiveKLController)"
+        )
+    return coeff

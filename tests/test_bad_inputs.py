@@ -695,13 +695,13 @@ refuse("TokenPPOLoss-critic-coeff-negative", "hyper", lambda: ppo_loss(critic_co
 refuse("TokenPPOLoss-kl-coeff-nan", "hyper", lambda: ppo_loss(kl_coeff=NAN),
        ValueError, r"kl_coeff=nan must be a (finite )?float")
 refuse("TokenPPOLoss-missing-sample-log-prob", "missing-key", lambda: ppo_loss()(ppo_td(drop=["sample_log_prob"])),
-       KeyError, r"sampling log-probs 'sample_log_prob' are missing.*set_keys\(sample_log_prob=")
+       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(sample_log_prob=")
 refuse("TokenPPOLoss-missing-ref-log-prob", "missing-key", lambda: ppo_loss(kl_coeff=0.02)(ppo_td(drop=["ref_log_prob"])),
-       KeyError, r"reference log-probs.*kl_coeff > 0.*'ref_log_prob' is missing")
+       KeyError, r"no 'ref_log_prob' \(reference log-probs\); needed because kl_coeff > 0")
 refuse("TokenPPOLoss-missing-value-target", "missing-key", lambda: ppo_loss()(ppo_td(drop=["value_target"])),
-       KeyError, r"value target 'value_target' is missing")
+       KeyError, r"no 'value_target' \(value target\); run the value estimator")
 refuse("TokenPPOLoss-missing-rollout-values", "missing-key", lambda: ppo_loss(clip_value=0.2)(ppo_td(drop=["state_value"])),
-       KeyError, r"rollout values.*clip_value is set.*'state_value' is missing")
+       KeyError, r"no 'state_value' \(rollout values\); needed because clip_value is set")
 refuse("TokenPPOLoss-missing-advantage-and-reward", "missing-key", lambda: ppo_loss()(ppo_td(drop=["advantage"])),
        KeyError, r"reward.*missing")
 refuse("TokenPPOLoss-entropy-coeff-without-entropy-output", "missing-key",
@@ -764,11 +764,11 @@ refuse("KLPenaltyTransform-negative-coeff", "hyper", lambda: KLPenaltyTransform(
 refuse("KLPenaltyTransform-coeff-module-not-a-controller", "dtype", lambda: KLPenaltyTransform(coeff=nn.Linear(1, 1)),
        TypeError, r"coeff=Linear is not a KL controller")
 refuse("KLPenaltyTransform-missing-sample-log-prob", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["sample_log_prob"])),
-       KeyError, r"sampling log-probs 'sample_log_prob' are missing")
+       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(log_prob=")
 refuse("KLPenaltyTransform-missing-ref-and-no-model", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["ref_log_prob"])),
        KeyError, r"'ref_log_prob' is missing and no ref_model.*ref_model=")
 refuse("KLPenaltyTransform-missing-reward", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=[("next", "reward")])),
-       KeyError, r"add_to_reward=True but the reward \('next', 'reward'\) is missing.*add_to_reward=False")
+       KeyError, r"no \('next', 'reward'\) \(the reward, needed because add_to_reward=True\).*add_to_reward=False")
 refuse("KLPenaltyTransform-reward-shape", "shape", lambda: KLPenaltyTransform()(kl_td(next__reward=torch.zeros(2, 5), batch=(2,))),
        ValueError, r"reward \('next', 'reward'\) has shape \(2, 5\).*broadcasting it would mix")
 refuse("KLPenaltyTransform-ref-shape", "shape", lambda: KLPenaltyTransform()(kl_td(ref_log_prob=OLD[:, :3], batch=(2,))),
@@ -1268,7 +1268,7 @@ refuse("train-zero-minibatches", "hyper", lambda: _train(minibatches=0), ValueEr
 refuse("train-cli-unknown-preset", "hyper", lambda: _cli(["--preset", "giga"]), SystemExit, r"^2$")
 accept("ppo_update-empty-batch-takes-no-step", "empty-batch", _ppo_update_on_empty_batch, _check_no_update)
 refuse("ppo_update-batch-without-sampling-log-probs", "missing-key", lambda: _ppo_update_on(_llm_batch(B=2, drop=["sample_log_prob"])),
-       KeyError, r"sampling log-probs 'sample_log_prob' are missing")
+       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\)")
 
 
 
