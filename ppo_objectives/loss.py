@@ -14,7 +14,6 @@ say) is an error that names it.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -62,6 +61,34 @@ def _clip_pair(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]
     else:
         low = high = clip_epsilon
     return _validate.check_positive("clip_epsilon (low)", low), _validate.check_positive("clip_epsilon (high)", high)
+
+
+def _check_hyperparameters(*, dual_clip, loss_agg_mode, kl_estimator, kl_clamp, clip_value, **coeffs) -> None:
+    if dual_clip is not None:
+        _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
+    _validate.check_mode(loss_agg_mode)
+    if kl_estimator not in F.KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator={kl_estimator!r} is not one of {F.KL_ESTIMATORS}")
+    if kl_clamp is not None:
+        _validate.check_positive("kl_clamp", kl_clamp)
+    if clip_value is not None:
+        _validate.check_positive("clip_value", clip_value)
+    for name, x in coeffs.items():
+        if not _validate.is_real(x, low=0):
+            raise ValueError(f"{name}={x!r} must be a float >= 0 and finite (0 switches that term off)")
+
+
+def _build_value_estimator(value_type: Any, critic_network, hyperparams: dict) -> ValueEstimatorBase:
+    if isinstance(value_type, ValueEstimatorBase):
+        return value_type
+    if value_type is MaskedGAE:
+        return MaskedGAE(**{"gamma": 1.0, "lmbda": 0.95, "value_network": critic_network, **hyperparams})
+    if isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase):
+        return value_type(**hyperparams)
+    raise NotImplementedError(
+        f"value_type={value_type!r} is not supported by TokenPPOLoss; pass a MaskedGAE instance "
+        "(or ValueEstimators.GAE for collector data)"
+    )
 
 
 class TokenPPOLoss(LossModule):
@@ -254,18 +281,10 @@ class TokenPPOLoss(LossModule):
         if actor_network is None:
             raise TypeError("TokenPPOLoss needs an actor_network that writes per-token 'log_prob'")
         eps_low, eps_high = _clip_pair(clip_epsilon)
-        if dual_clip is not None:
-            _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
-        _validate.check_mode(loss_agg_mode)
-        if kl_estimator not in F.KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={kl_estimator!r} is not one of {F.KL_ESTIMATORS}")
-        if kl_clamp is not None:
-            _validate.check_positive("kl_clamp", kl_clamp)
-        if clip_value is not None:
-            _validate.check_positive("clip_value", clip_value)
-        for name, x in (("critic_coeff", critic_coeff), ("kl_coeff", kl_coeff), ("entropy_coeff", entropy_coeff)):
-            if not isinstance(x, (int, float)) or isinstance(x, bool) or not (math.isfinite(x) and x >= 0):
-                raise ValueError(f"{name}={x!r} must be a float >= 0 and finite (0 switches that term off)")
+        _check_hyperparameters(
+            dual_clip=dual_clip, loss_agg_mode=loss_agg_mode, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+            clip_value=clip_value, critic_coeff=critic_coeff, kl_coeff=kl_coeff, entropy_coeff=entropy_coeff,
+        )  # fmt: skip
         super().__init__()
         self._functional = functional
         self._in_keys = None
@@ -285,12 +304,10 @@ class TokenPPOLoss(LossModule):
                 device = next(self.parameters()).device
             except StopIteration:
                 device = torch.get_default_device()
-        self.register_coeff_buffer("clip_epsilon", eps_low, device=device, dtype=torch.float32)
-        self.register_coeff_buffer("clip_epsilon_high", eps_high, device=device, dtype=torch.float32)
-        self.register_coeff_buffer("critic_coeff", float(critic_coeff), device=device, dtype=torch.float32)
-        self.register_coeff_buffer("kl_coeff", float(kl_coeff), device=device, dtype=torch.float32)
-        self.register_coeff_buffer("entropy_coeff", float(entropy_coeff), device=device, dtype=torch.float32)
-        self.register_coeff_buffer("clip_value", clip_value, device=device, dtype=torch.float32)
+        coeffs = {"clip_epsilon": eps_low, "clip_epsilon_high": eps_high, "critic_coeff": float(critic_coeff),
+                  "kl_coeff": float(kl_coeff), "entropy_coeff": float(entropy_coeff), "clip_value": clip_value}  # fmt: skip
+        for name, value in coeffs.items():
+            self.register_coeff_buffer(name, value, device=device, dtype=torch.float32)
         self.dual_clip = dual_clip
         self.kl_estimator = kl_estimator
         self.kl_clamp = kl_clamp
@@ -391,23 +408,11 @@ class TokenPPOLoss(LossModule):
         or ``ValueEstimators.GAE`` (TorchRL's GAE, collector data only). The
         loss's key names are forwarded to the estimator.
         """
-        if value_type is None:
-            value_type = self.default_value_estimator
-        if isinstance(value_type, ValueEstimatorBase):
-            self._value_estimator = value_type
-        elif value_type is MaskedGAE:
-            hp = {"gamma": 1.0, "lmbda": 0.95, "value_network": self.critic_network}
-            hp.update(hyperparams)
-            self._value_estimator = MaskedGAE(**hp)
-        elif isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase):
-            self._value_estimator = value_type(**hyperparams)
-        elif value_type == ValueEstimators.GAE:
+        value_type = self.default_value_estimator if value_type is None else value_type
+        if value_type == ValueEstimators.GAE:
             dispatch_value_estimator(self, value_type, supported=(ValueEstimators.GAE,), **hyperparams)
         else:
-            raise NotImplementedError(
-                f"value_type={value_type!r} is not supported by TokenPPOLoss; pass a MaskedGAE instance "
-                "(or ValueEstimators.GAE for collector data)"
-            )
+            self._value_estimator = _build_value_estimator(value_type, self.critic_network, hyperparams)
         self.value_type = type(self._value_estimator)
         self._forward_value_estimator_keys()
         return self
