@@ -157,13 +157,15 @@ def check_mode(loss_agg_mode: str) -> None:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
 
-def check_int(name: str, x: object, *, low: int | None = None, high: int | None = None, what: str = "") -> int:
-    """``x`` as an ``int`` (bools refused) within ``[low, high]`` where given; ``what`` is appended to the error."""
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}{what}")
-    if (low is not None and x < low) or (high is not None and x > high):
-        bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
-        raise ValueError(f"{name}={x} must be {bounds}{what}")
+def check_int(name: str, x: object, *, low: int = 1, high: int | None = None, where: str = "", what: str = "") -> int:
+    """``x`` if it is an ``int`` (bools refused) in ``[low, high]``, else a ``ValueError``.
+
+    The message reads ``"{where}{name}={x!r} must be an int >= {low}{what}"`` (or ``in [low, high]``):
+    ``where`` names the owner (``"TokenLMEnv "``), ``what`` says what the number is.
+    """
+    if isinstance(x, bool) or not isinstance(x, int) or x < low or (high is not None and x > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{where}{name}={x!r} must be an int {bounds}{what}")
     return x
 
 

@@ -58,6 +58,8 @@ from torch import Tensor
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
+from ppo_objectives import _validate
+
 __all__ = [
     "DigitTask",
     "TokenLMEnv",
@@ -115,8 +117,7 @@ class DigitTask:
     def __init__(self, op: str = "reverse", num_digits: int = 3, *, min_digits: int | None = None):
         if op not in self._OPS:
             raise ValueError(f"DigitTask op={op!r} is unknown; choose one of {self._OPS}")
-        if isinstance(num_digits, bool) or not isinstance(num_digits, int) or not 1 <= num_digits <= 9:
-            raise ValueError(f"num_digits={num_digits!r} must be an int in [1, 9]")
+        _validate.check_int("num_digits", num_digits, low=1, high=9)
         min_digits = num_digits if min_digits is None else min_digits
         if not 1 <= min_digits <= num_digits:
             raise ValueError(f"min_digits={min_digits!r} must be in [1, num_digits={num_digits}]")
@@ -393,8 +394,7 @@ class TokenLMEnv(EnvBase):
             ("max_new_tokens", max_new_tokens, 1),
             ("vocab_size", vocab_size, 2),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"TokenLMEnv {name}={value!r} must be an int >= {low}")
+            _validate.check_int(name, value, low=low, where="TokenLMEnv ")
         for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
             if not 0 <= value < vocab_size:
                 raise ValueError(f"TokenLMEnv {name}={value} is outside the vocabulary [0, {vocab_size})")

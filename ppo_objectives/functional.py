@@ -387,8 +387,8 @@ def response_log_probs(
     _validate.check_same_device(logits=logits, input_ids=input_ids, prompt_lens=prompt_lens)
     if prompt_lens.shape != logits.shape[:1]:
         raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{logits.shape[0]}]")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    if chunk_size is not None:
+        _validate.check_int("chunk_size", chunk_size, low=1, what=" or None (rows per chunk)")
     positions = response_logp_positions(prompt_lens, response_len)
     T = logits.shape[1]
     if _validate.checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):

@@ -47,6 +47,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ppo_objectives import _validate
+
 __all__ = ["FLAGS", "CollapseGuard", "plot_metrics"]
 
 #: The flags :class:`CollapseGuard` raises, in the order they are reported.
@@ -55,7 +57,7 @@ _BAD = ("min_len", "zero_reward", "entropy")  # the flags that make an iteration
 
 
 def _number(name: str, value, *, low: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+    if not _validate.is_real(value, low=low):
         raise ValueError(f"CollapseGuard {name}={value!r} must be a finite number >= {low}")
     return float(value)
 
@@ -89,8 +91,7 @@ class CollapseGuard:
     def __post_init__(self):
         for name in ("min_response_len", "reward_floor", "entropy_floor", "solved_exact", "kl_spike"):
             setattr(self, name, _number(name, getattr(self, name)))
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"CollapseGuard patience={self.patience!r} must be an int >= 1")
+        _validate.check_int("patience", self.patience, low=1, where="CollapseGuard ")
 
     @property
     def collapsed(self) -> bool:

@@ -328,7 +328,7 @@ refuse("response_log_probs-prompt-lens-on-other-device", "device",
        lambda: F.response_log_probs(LOGITS, IDS, meta_like(PLENS), 2),
        ValueError, r"one device.*prompt_lens on meta")
 refuse("response_log_probs-chunk-size-0", "hyper", lambda: F.response_log_probs(LOGITS, IDS, PLENS, 2, chunk_size=0),
-       ValueError, r"chunk_size=0 must be a positive int")
+       ValueError, r"chunk_size=0 must be an int >= 1 or None")
 refuse("response_log_probs-prompt-plus-response-longer-than-sequence", "long-prompt",
        lambda: F.response_log_probs(LOGITS, IDS, torch.tensor([5, 3]), 2),
        ValueError, r"positions outside the sequence.*T >= 7.*T=6")
