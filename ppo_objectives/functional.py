@@ -707,6 +707,18 @@ def aggregate_loss(
 # --------------------------------------------------------------------------- #
 
 
+class _Stats(dict):
+    """The statistics of :func:`ppo_policy_loss`; a name of an earlier version raises a ``KeyError`` naming the new one."""
+
+    RENAMED = {"approx_kl": "kl_approx", "approx_kl_max": "kl_approx_max", "ratio_mean": "mean_ratio",
+               "ratio_max": "max_ratio", "ess": "ESS"}  # fmt: skip
+
+    def __missing__(self, key):
+        if key in self.RENAMED:
+            raise KeyError(f"ppo_policy_loss statistic {key!r} is now {self.RENAMED[key]!r} (TorchRL's name)")
+        raise KeyError(key)
+
+
 def ppo_policy_loss(
     new_logps: Tensor,
     old_logps: Tensor,
@@ -754,12 +766,14 @@ def ppo_policy_loss(
         return_stats: also return a dict of detached, masked diagnostics:
             ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
             ``clipfrac``), ``clip_fraction_low``, ``clip_fraction_high``,
-            ``approx_kl`` (:func:`approx_kl`), ``approx_kl_max`` (its largest
+            ``kl_approx`` (:func:`approx_kl`), ``kl_approx_max`` (its largest
             per-token value ``max_t 0.5 (new - old)^2``: a spike on one token that the
-            mean hides), ``ratio_mean``, ``ratio_max``,
-            ``ess`` (normalised effective sample size of the ratios,
+            mean hides), ``mean_ratio``, ``max_ratio``,
+            ``ESS`` (normalised effective sample size of the ratios,
             ``(sum w)^2 / (n sum w^2)``, 1 when all ratios are equal) and
-            ``dual_clip_fraction``.
+            ``dual_clip_fraction``. The names are those of TorchRL's ``ClipPPOLoss``
+            outputs; the names of earlier versions (``approx_kl``, ``ratio_max``, ...)
+            raise a ``KeyError`` that names the new one.
 
     Returns:
         scalar loss (float32, or float64 for float64 inputs), or ``(loss, stats)``.
@@ -813,14 +827,15 @@ def ppo_policy_loss(
             "clip_fraction_low": fm(low),
             "clip_fraction_high": fm(high),
             "dual_clip_fraction": fm(dual),
-            "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
+            "kl_approx": masked_mean(0.5 * log_ratio.detach() ** 2, m),
             # log_ratio is 0 at masked positions, so the max of an empty mask is 0
-            "approx_kl_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
-            "ratio_mean": masked_mean(r, m),
+            "kl_approx_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
+            "mean_ratio": masked_mean(r, m),
             # ratios are positive, so a 0 appended makes the max of an empty mask 0
-            "ratio_max": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
-            "ess": ess,
+            "max_ratio": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
+            "ESS": ess,
         }
+        stats = _Stats(stats)
     return loss, stats
 
 

@@ -457,8 +457,8 @@ accept("ppo_policy_loss-clip-higher-nan-inf-at-masked", "masked-garbage",
        lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.1, 0.3)))
 accept("ppo_policy_loss-stats-ignore-masked-garbage", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, return_stats=True)[1],
-       lambda stats: (close(stats["approx_kl"], naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])),
-                      close(stats["ratio_max"], max(math.exp(n - o) for n, o in zip(valid(NEW), valid(OLD)))),
+       lambda stats: (close(stats["kl_approx"], naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])),
+                      close(stats["max_ratio"], max(math.exp(n - o) for n, o in zip(valid(NEW), valid(OLD)))),
                       close(stats["clip_fraction"], naive_mean([float(abs(math.exp(n - o) - 1) > 0.2) for n, o in zip(valid(NEW), valid(OLD))]))))
 accept("ppo_policy_loss-empty-mask-loss-and-stats-zero", "mask-empty",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, torch.zeros(2, 4, dtype=torch.bool), 0.2, return_stats=True),

@@ -463,7 +463,7 @@ def test_ppo_policy_loss_equals_minimind_formula():
     loss, stats = ppo_policy_loss(new, old, adv, mask, 0.2, return_stats=True)
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(stats["clip_fraction"], clipfrac)
-    torch.testing.assert_close(stats["approx_kl"], akl)
+    torch.testing.assert_close(stats["kl_approx"], akl)
     torch.testing.assert_close(approx_kl(new, old, mask), akl)
 
 
@@ -490,9 +490,9 @@ def test_policy_loss_stats_ratio_and_ess():
     m = torch.tensor([[1, 1, 0]])
     _, s = ppo_policy_loss(new, torch.zeros(1, 3), torch.ones(1, 3), m, 0.2, return_stats=True)
     # valid ratios 1 and 3: mean 2, max 3, ess = (1+3)^2 / (2 * (1+9)) = 0.8
-    assert s["ratio_mean"].item() == pytest.approx(2.0)
-    assert s["ratio_max"].item() == pytest.approx(3.0)
-    assert s["ess"].item() == pytest.approx(0.8)
+    assert s["mean_ratio"].item() == pytest.approx(2.0)
+    assert s["max_ratio"].item() == pytest.approx(3.0)
+    assert s["ESS"].item() == pytest.approx(0.8)
     assert all(not v.requires_grad for v in s.values())
 
 
