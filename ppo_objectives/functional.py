@@ -710,7 +710,7 @@ def aggregate_loss(
 class _Stats(dict):
     """The statistics of :func:`ppo_policy_loss`; a name of an earlier version raises a ``KeyError`` naming the new one."""
 
-    RENAMED = {"approx_kl": "kl_approx", "approx_kl_max": "kl_approx_max", "ratio_mean": "mean_ratio",
+    RENAMED = {"approx_kl": "kl_approx", "approx_kl_max": "kl_approx_token_max", "ratio_mean": "mean_ratio",
                "ratio_max": "max_ratio", "ess": "ESS"}  # fmt: skip
 
     def __missing__(self, key):
@@ -766,7 +766,7 @@ def ppo_policy_loss(
         return_stats: also return a dict of detached, masked diagnostics:
             ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
             ``clipfrac``), ``clip_fraction_low``, ``clip_fraction_high``,
-            ``kl_approx`` (:func:`approx_kl`), ``kl_approx_max`` (its largest
+            ``kl_approx`` (:func:`approx_kl`), ``kl_approx_token_max`` (its largest
             per-token value ``max_t 0.5 (new - old)^2``: a spike on one token that the
             mean hides), ``mean_ratio``, ``max_ratio``,
             ``ESS`` (normalised effective sample size of the ratios,
@@ -829,7 +829,7 @@ def ppo_policy_loss(
             "dual_clip_fraction": fm(dual),
             "kl_approx": masked_mean(0.5 * log_ratio.detach() ** 2, m),
             # log_ratio is 0 at masked positions, so the max of an empty mask is 0
-            "kl_approx_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
+            "kl_approx_token_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
             "mean_ratio": masked_mean(r, m),
             # ratios are positive, so a 0 appended makes the max of an empty mask 0
             "max_ratio": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),

@@ -568,7 +568,7 @@ _POLICY_STATS = (
     ("clip_fraction_low", "clip_fraction_low"),
     ("clip_fraction_high", "clip_fraction_high"),
     ("kl_approx", "kl_approx"),
-    ("kl_approx_token_max", "kl_approx_max"),
+    ("kl_approx_token_max", "kl_approx_token_max"),
     ("ratio_mean", "mean_ratio"),
     ("ratio_max", "max_ratio"),
     ("ESS", "ESS"),

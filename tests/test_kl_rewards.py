@@ -152,7 +152,7 @@ def test_transform_key_errors_name_the_accepted_fields():
 def test_policy_loss_statistics_use_torchrl_names_and_old_names_point_to_them():
     _, s = F.ppo_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2,
                              return_stats=True)  # fmt: skip
-    assert {"kl_approx", "kl_approx_max", "mean_ratio", "max_ratio", "ESS"} <= set(s)
+    assert {"kl_approx", "kl_approx_token_max", "mean_ratio", "max_ratio", "ESS"} <= set(s)
     with pytest.raises(KeyError, match=r"statistic 'ratio_max' is now 'max_ratio' \(TorchRL's name\)"):
         s["ratio_max"]
     with pytest.raises(KeyError, match="'nonsense'"):
