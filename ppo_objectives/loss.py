@@ -8,7 +8,8 @@ Shape letters (used in every docstring below):
 Per-token entries may be stored ``[*B, R]`` (LLM layout) or ``[*B, R, 1]``
 (TorchRL's per-step layout); both are adapted at the module edge and nothing
 is broadcast: an entry of any other shape (a per-sequence advantage ``[B]``,
-say) is an error that names it.
+say) is an error that names it. The module maps keys and holds hyper-parameters;
+every number comes from the functional core (``docs/design.md``, "Layers").
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Shape letters (used in every docstring below):
   time steps of a collector batch; time is always the last per-token axis.
 
 Per-token entries may be stored ``[*B, R]`` or ``[*B, R, 1]`` (TorchRL's per-step
-layout) and are adapted at the edge; nothing is broadcast. The per-token KL
-estimate is :func:`ppo_objectives.functional.kl_estimate`.
+layout) and are adapted at the edge; nothing is broadcast. The arithmetic is
+:func:`ppo_objectives.functional.kl_penalized_rewards` and
+:func:`~ppo_objectives.functional.adaptive_kl_coeff` (``docs/design.md``, "Reference KL").
 """
 
 from __future__ import annotations
