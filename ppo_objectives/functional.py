@@ -61,6 +61,7 @@ __all__ = [
     "ppo_policy_loss",
     "reference_kl_penalty",
     "response_log_probs",
+    "resolve_done_flags",
     "response_logp_positions",
     "value_checks",
 ]
@@ -415,6 +416,47 @@ def response_log_probs(
 # --------------------------------------------------------------------------- #
 # Masked GAE  (MiniMind 2)
 # --------------------------------------------------------------------------- #
+
+
+def resolve_done_flags(done, terminated, truncated):
+    """Complete TorchRL's three trajectory-end flags from the ones given: ``(done, terminated, truncated)``.
+
+    The one rule every layer of this package uses (``MaskedGAE``, ``LLMToTokenBatch``):
+    a missing ``done`` is ``terminated | truncated``; a missing ``terminated`` is
+    ``done & ~truncated`` (``done`` when ``truncated`` is missing too: an end with no
+    other word is a termination, as in TorchRL); a missing ``truncated`` is
+    ``done & ~terminated``. Works on bool tensors (any shape, all the same) or Python
+    bools; at least one flag must be given.
+
+    Example:
+        >>> resolve_done_flags(True, None, None)          # done alone: a termination
+        (True, True, False)
+        >>> resolve_done_flags(None, None, True)          # truncated alone: done, not terminated
+        (True, False, True)
+    """
+    if done is None and terminated is None and truncated is None:
+        raise ValueError("resolve_done_flags needs at least one of done, terminated, truncated")
+    tensors = isinstance(next(f for f in (done, terminated, truncated) if f is not None), Tensor)
+
+    def either(a, b):
+        if a is None or b is None:
+            return a if b is None else b
+        return a | b if tensors else bool(a) or bool(b)
+
+    def but_not(a, b):
+        if b is None:
+            return a
+        return a & ~b if tensors else bool(a) and not bool(b)
+
+    if done is None:
+        done = either(terminated, truncated)
+    if terminated is None:
+        terminated = but_not(done, truncated)
+    if truncated is None:
+        truncated = but_not(done, terminated)
+    if not tensors:
+        done, terminated, truncated = bool(done), bool(terminated), bool(truncated)
+    return done, terminated, truncated
 
 
 def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):

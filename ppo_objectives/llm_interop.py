@@ -479,15 +479,11 @@ class LLMToTokenBatch(Transform):
                     )
                 x = x[:L].detach()
             per_token[name] = x
-        done = _flag(td, self.done_key)
-        terminated = _flag(td, self.terminated_key)
-        truncated = _flag(td, self.truncated_key)
-        if done is None:
-            done = bool(terminated) or bool(truncated)
-        if terminated is None:
-            terminated = done and not bool(truncated)
-        if truncated is None:
-            truncated = done and not terminated
+        flags = [_flag(td, k) for k in (self.done_key, self.terminated_key, self.truncated_key)]
+        if all(f is None for f in flags):
+            done = terminated = truncated = False
+        else:
+            done, terminated, truncated = F.resolve_done_flags(*flags)
         return _Turn(
             where=where,
             prompt_len=p,

@@ -141,7 +141,7 @@ class TokenPPOLoss(LossModule):
       ``clip_fraction_low``, ``clip_fraction_high`` (ratio outside the clip range),
       ``kl_approx`` (mean of ``0.5 (log_prob - sample_log_prob)^2``, MiniMind's early-stop
       signal, see ``early_stop_kl``), ``kl_approx_token_max`` (its largest per-token value),
-      ``ratio_mean``, ``ratio_max``, ``ESS`` (normalised
+      ``mean_ratio``, ``max_ratio``, ``ESS`` (normalised
       effective sample size of the ratios, in (0, 1]), ``kl_ref`` (the aggregated
       reference KL, when ``ref_log_prob`` is given), ``entropy`` (when the actor writes
       it), ``value_clip_fraction`` (tokens whose clipped value branch is active),
@@ -570,7 +570,7 @@ _POLICY_STATS = (
     ("clip_fraction_high", "clip_fraction_high"),
     ("kl_approx", "kl_approx"),
     ("kl_approx_token_max", "kl_approx_token_max"),
-    ("ratio_mean", "mean_ratio"),
-    ("ratio_max", "max_ratio"),
+    ("mean_ratio", "mean_ratio"),
+    ("max_ratio", "max_ratio"),
     ("ESS", "ESS"),
 )

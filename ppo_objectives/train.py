@@ -80,7 +80,7 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
     lower (little probability mass moves); a large value with a large ``kl_approx_max`` is a jump.
 ``clip_fraction``
     Fraction of valid tokens whose ratio is outside ``[1-eps, 1+eps]`` (mean over steps).
-``ratio_max`` / ``ess``
+``max_ratio`` / ``ESS``
     Largest importance ratio; normalised effective sample size of the ratios (1 = on-policy).
 ``value_clip_fraction``
     Fraction of tokens where the clipped value branch is the active one.
@@ -166,7 +166,7 @@ __all__ = ["TrainConfig", "TrainingCollapseWarning", "build_parser", "main", "pp
 METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
-    "kl_token_max", "clip_fraction", "ratio_max", "ess", "value_clip_fraction", "explained_variance", "updates",
+    "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
     "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
     *(f"warn_{f}" for f in FLAGS), "collapse",
 )  # fmt: skip
@@ -467,7 +467,7 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
 
 _BACKTRACK = (0.5, 0.25, 0.125)  # fractions of a crossing step tried before it is undone (TRPO's backtracking)
 _LOGGED = ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "clip_fraction",
-           "ratio_max", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
+           "max_ratio", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
 
 
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,
@@ -606,7 +606,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
         reduced = _all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=llm.device),
                               process_group).tolist()
         sums = {k: v / world for k, v in zip(keys, reduced)}
-    stats = {k.lower(): v / max(steps, 1) for k, v in sums.items()}
+    stats = {k: v / max(steps, 1) for k, v in sums.items()}
     stats.update(updates=steps, early_stopped=int(stopped), rolled_back=int(kept < 1.0), step_fraction=kept,
                  skipped_steps=skipped,
                  kl_approx_max=kl_max, kl_token_max=kl_token_max, grad_norm=grad_norm / max(steps, 1))

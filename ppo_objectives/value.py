@@ -370,12 +370,7 @@ class MaskedGAE(ValueEstimatorBase):
         done = None if done is None else flag(done, keys.done)
         terminated = None if terminated is None else flag(terminated, keys.terminated)
         truncated = None if truncated is None else flag(truncated, keys.truncated)
-        if done is None:
-            done = (terminated if terminated is not None else torch.zeros_like(m)) | (
-                truncated if truncated is not None else torch.zeros_like(m)
-            )
-        if terminated is None:
-            terminated = done & ~truncated if truncated is not None else done
+        done, terminated, _ = F.resolve_done_flags(done, terminated, truncated)
         next_value = self._values(tensordict, TD.next_key(keys.value), next_params, next_step=True)
         if next_value is None:
             raise KeyError(

@@ -76,7 +76,7 @@ new_logp = old_logp + torch.tensor([[0.3, -0.1, 0.05], [0.0, -0.4, 0.0]])
 loss_pi, stats = ppo_policy_loss(new_logp, old_logp, advantages, mask, clip_epsilon=0.2, return_stats=True)
 show("3. ppo_policy_loss (clip 0.2)", ratio=torch.exp(new_logp - old_logp) * mask, loss=loss_pi)
 print(f"clip_fraction = {stats['clip_fraction']:.3f} (ratios outside [0.8, 1.2]: e^0.3 = 1.35 and e^-0.4 = 0.67)")
-print(f"approx_kl = {stats['approx_kl']:.4f} (MiniMind stops the PPO epochs when this exceeds 0.25)")
+print(f"kl_approx = {stats['kl_approx']:.4f} (MiniMind stops the PPO epochs when this exceeds 0.25)")
 
 # 4. KL to the reference (k3 estimator: exp(d) - d - 1 with d = ref - policy, always >= 0).
 kl = reference_kl_penalty(new_logp, ref_logp, mask)
