@@ -4,9 +4,10 @@
 is one token**: the policy reads the token buffer and emits the next token id;
 the episode ends at EOS (``terminated``) or after ``max_new_tokens`` tokens
 (``truncated``). Rows reset independently, so a TorchRL collector keeps every
-row busy. :func:`trajectories_to_llm_batch` turns the collector's per-token
-batch ``[N, T]`` into the LLM layout ``[B, R]`` (one row per finished
-response) that the losses read.
+row busy. :func:`~ppo_objectives.layouts.trajectories_to_llm_batch` (defined
+in :mod:`ppo_objectives.layouts`, importable from here too) turns the
+collector's per-token batch ``[N, T]`` into the response layout (one row per
+finished response, ``[B, R]`` per-token entries) that the losses read.
 
 :class:`DigitTask` is the shipped toy task (in the spirit of minGPT's adder):
 digits in, the exactly checkable answer out, with partial credit.
@@ -59,6 +60,7 @@ from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from ppo_objectives import _validate
+from ppo_objectives.layouts import trajectories_to_llm_batch  # re-exported: its old import path
 
 __all__ = [
     "DigitTask",
@@ -517,99 +519,3 @@ class TokenLMEnv(EnvBase):
             batch_size=self.batch_size,
             device=self.device,
         )
-
-
-# --------------------------------------------------------------------------- #
-# Collector batch [N, T] -> LLM layout [B, R]
-# --------------------------------------------------------------------------- #
-
-
-def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_tokens: int) -> TensorDict:
-    """Finished responses of a per-token collector batch, one row each.
-
-    A TorchRL collector returns ``[N, T]`` steps (``[T]`` for one env, ``[W, N, T]``
-    from a ``MultiSyncCollector`` with stacked results), each
-    row a stream of episodes of varying length. Every step whose
-    ``("next", "done")`` is set closes one response; it is kept when its first
-    token is inside the batch (episodes cut by the batch's start are
-    dropped -- with ``reset_at_each_iter=True`` none are). Response token
-    ``j`` of an episode ending at step ``t`` with length ``n`` was produced at
-    step ``t - n + 1 + j``.
-
-    Args:
-        batch: collector output with ``action``, ``sample_log_prob`` and ``("next", ...)``
-            ``tokens`` / ``attention_mask`` / ``position`` / ``reward`` /
-            ``terminated`` / ``truncated``.
-        prompt_len / max_new_tokens: ``P`` and ``M = R`` of the env.
-
-    Returns:
-        ``TensorDict`` with ``batch_size [B]``: ``input_ids [B, S]``,
-        ``attention_mask [B, S]`` (prompt + response), ``response_ids [B, R]``,
-        ``mask [B, R]`` (True = generated token), ``sample_log_prob [B, R]``
-        (behaviour log-probs, 0 at padding), ``token_reward [B, R]`` (the env's
-        per-step rewards: the score on the last token plus any shaping),
-        ``score [B]`` (the last step's reward), ``terminated [B]`` and
-        ``truncated [B]`` (bool).
-
-    Example:
-        >>> from torchrl.collectors import Collector  # torchrl 0.14's name for SyncDataCollector
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
-        >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig, make_actor
-        >>> task = DigitTask("reverse", 2)
-        >>> env = TokenLMEnv.from_task(task, num_envs=4, seed=0)
-        >>> actor = make_actor(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=16, block_size=6)))
-        >>> collector = Collector(env, actor, frames_per_batch=4 * 3, total_frames=12, reset_at_each_iter=True,
-        ...                       auto_register_policy_transforms=False)
-        >>> llm = trajectories_to_llm_batch(next(iter(collector)), env.prompt_len, env.max_new_tokens)
-        >>> collector.shutdown()
-        >>> llm["response_ids"].shape[1], llm["mask"].dtype, bool((llm["sample_log_prob"] <= 0).all())
-        (3, torch.bool, True)
-    """
-    P, M = prompt_len, max_new_tokens
-    if batch.batch_dims == 0:
-        raise ValueError(
-            f"expected a collector batch [*N, T] (time last), got batch_size {tuple(batch.batch_size)}: "
-            "pass the collector's output, not a single step"
-        )
-    if batch.batch_dims == 1:
-        batch = batch.unsqueeze(0)
-    elif batch.batch_dims > 2:  # MultiSyncCollector stacks [workers, N, T]
-        batch = batch.reshape(-1, batch.shape[-1])
-    for key in ("action", "sample_log_prob", ("next", "tokens"), ("next", "attention_mask"), ("next", "position"),
-                ("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated")):
-        if key not in batch.keys(include_nested=True):
-            raise KeyError(
-                f"trajectories_to_llm_batch: {key!r} is missing from the collector batch; it needs the TokenLMEnv "
-                f"observations under 'next' and a policy that writes 'action' and 'sample_log_prob'"
-            )
-    nxt = batch.get("next")
-    done = nxt.get("done").reshape(batch.shape)  # [N, T]
-    n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)
-    length = nxt.get("position")[n_idx, t_idx] - P  # [B] tokens generated
-    start = t_idx - length + 1
-    keep = start >= 0
-    n_idx, t_idx, length, start = n_idx[keep], t_idx[keep], length[keep], start[keep]
-    B = n_idx.numel()
-    j = torch.arange(M, device=done.device)
-    in_resp = j[None, :] < length[:, None]  # [B, M]
-    steps = (start[:, None] + j[None, :]).clamp(max=batch.shape[1] - 1)  # [B, M]
-    rows = n_idx[:, None].expand(B, M)
-    logp = batch.get("sample_log_prob").reshape(batch.shape)[rows, steps].float()
-    token_reward = nxt.get("reward").reshape(batch.shape)[rows, steps].float()
-    input_ids = nxt.get("tokens")[n_idx, t_idx]  # [B, S]
-    attention_mask = nxt.get("attention_mask")[n_idx, t_idx].bool()
-    zero = torch.zeros((), device=done.device)
-    return TensorDict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_ids=input_ids[:, P:],
-        mask=in_resp,
-        sample_log_prob=torch.where(in_resp, logp, zero),
-        token_reward=torch.where(in_resp, token_reward, zero),
-        score=nxt.get("reward").reshape(batch.shape)[n_idx, t_idx].float(),
-        terminated=nxt.get("terminated").reshape(batch.shape)[n_idx, t_idx].bool(),
-        truncated=nxt.get("truncated").reshape(batch.shape)[n_idx, t_idx].bool(),
-        batch_size=[B],
-        device=batch.device,
-    )

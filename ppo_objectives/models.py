@@ -1,44 +1,31 @@
-"""A tiny causal LM with a KV cache, and the actor / critic TensorDict modules built on it.
+"""The causal LMs: a tiny one with a KV cache, and any Hugging Face causal LM behind the same interface.
 
 ``TinyCausalLM`` is a nanoGPT-style decoder (learned absolute positions,
 pre-LayerNorm blocks, tied embeddings) in one file, sized by a
-:class:`TinyLMConfig` with named tiny presets (:data:`PRESETS`). Around it:
+:class:`TinyLMConfig` with named tiny presets (:data:`PRESETS`).
+:class:`HFCausalLMAdapter` puts any Hugging Face causal LM built from a config
+(Llama / Qwen style) behind the same interface, ``forward(input_ids,
+attention_mask, ...) -> LMOutput(logits, hidden)`` plus ``hidden_size``,
+``vocab_size`` and ``lm_head``, so it can replace the tiny model
+(``pip install ppo_objectives[hf]``). :func:`hf_decoder` and :func:`hf_forward`
+are the package's one way into a Hugging Face module: the adapter and the
+full-sequence read-outs (:class:`~ppo_objectives.readouts.CausalLMCritic`,
+:class:`~ppo_objectives.readouts.CausalLMTokenLogProbs`) all call them.
 
-- :class:`NextTokenLogits` + :func:`make_actor`: the **policy that drives
-  the environment** (``TokenLMEnv``, one step = one token). A
-  ``ProbabilisticTensorDictSequential`` that reads the token buffer, draws
-  the next token from ``Categorical(logits)`` and writes ``action`` and
-  ``sample_log_prob``.
-- :class:`ResponseLogProbs` and :class:`ResponseValues` (wrapped by
-  :func:`make_actor_critic`): the **training-time networks** on the LLM
-  layout ``[B, R]``: one full forward over prompt + response gives the
-  per-token log-probs (and entropies) of the response tokens and the
-  critic's per-token values.
-- :class:`HFCausalLMAdapter`: any Hugging Face causal LM built from a config
-  (Llama / Qwen style) behind the same interface, so it can replace the tiny
-  model (``pip install ppo_objectives[hf]``).
+What is built on these models lives one layer up, and stays importable from
+here (``from ppo_objectives.models import make_actor_critic`` keeps working):
+
+- :mod:`ppo_objectives.policy`: the env policy with a per-row KV cache
+  (``NextTokenLogits``, ``make_actor``) and ``sample_with_kv_cache``.
+- :mod:`ppo_objectives.readouts`: the PPO read-outs (``ResponseLogProbs``,
+  ``ResponseValues``, ``ActorCritic``, ``make_actor_critic``).
 
 Shape letters:
 
-- ``B``: batch (rows of the LLM layout); ``N``: number of parallel envs.
-- ``T``: tokens fed to one forward call; ``S``: the env's token-buffer
-  length (prompt width ``P`` + ``max_new_tokens``), the KV-cache length.
-- ``P``: prompt width (prompts are left-padded to it); ``R``: response length.
+- ``B``: batch rows; ``T``: tokens fed to one forward call; ``S``: the
+  KV-cache length (an env's token buffer).
 - ``V``: vocabulary size; ``C``: embedding width; ``L``: layers;
   ``H``: heads; ``D = C / H``: head width.
-
-**KV-cache design.** The cache lives *in the module* (:class:`NextTokenLogits`),
-never in the TensorDict, so collector batches stay small. Cache slot ``c``
-holds the keys/values of buffer column ``c``. On every call the module checks,
-per row, that its cached prefix is the current one: same batch shape, same
-parameter versions (an optimizer step or ``load_state_dict`` bumps them),
-same tokens in the cached columns, and the cache ends right before the newest
-token. Rows that fail (a fresh episode after a reset, new weights) are
-re-filled with one prefill forward; then every row advances by one token:
-O(S) work per token instead of O(S^2). Finding the stale rows is one host
-sync per step (``.any()``); it is on the env path only, never in the loss.
-The cache is used only under ``torch.no_grad()`` (rollouts); with gradients
-enabled the module runs a plain full forward, so it stays differentiable.
 
 Example:
     >>> import torch
@@ -54,23 +41,16 @@ Example:
 
 from __future__ import annotations
 
-import copy
+import importlib
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from tensordict.nn import (
-    InteractionType,
-    ProbabilisticTensorDictModule,
-    ProbabilisticTensorDictSequential,
-    TensorDictModule,
-)
 from torch import Tensor, nn
 
 from ppo_objectives import _validate
-from ppo_objectives.functional import response_log_probs, value_checks
 
 __all__ = [
     "PRESETS",
@@ -83,11 +63,36 @@ __all__ = [
     "ResponseValues",
     "TinyCausalLM",
     "TinyLMConfig",
+    "hf_decoder",
+    "hf_forward",
     "make_actor",
     "make_actor_critic",
     "position_ids_from_mask",
     "sample_with_kv_cache",
 ]
+
+#: Names defined one layer up and re-exported here (lazily: those modules import this one).
+_MOVED = {
+    "NextTokenLogits": "ppo_objectives.policy",
+    "make_actor": "ppo_objectives.policy",
+    "sample_with_kv_cache": "ppo_objectives.policy",
+    "ActorCritic": "ppo_objectives.readouts",
+    "ResponseLogProbs": "ppo_objectives.readouts",
+    "ResponseValues": "ppo_objectives.readouts",
+    "make_actor_critic": "ppo_objectives.readouts",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        value = getattr(importlib.import_module(_MOVED[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MOVED))
 
 # --------------------------------------------------------------------------- #
 # Config and presets
@@ -430,410 +435,62 @@ class TinyCausalLM(nn.Module):
 
 
 # --------------------------------------------------------------------------- #
-# A plain batched sampling loop (the reference the env + collector is timed against)
+# Hugging Face models (optional extra: pip install ppo_objectives[hf])
 # --------------------------------------------------------------------------- #
 
 
-@torch.no_grad()
-def sample_with_kv_cache(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    max_new_tokens: int,
-    *,
-    eos_id: int,
-    pad_id: int = 0,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Sample ``max_new_tokens`` tokens per row with the model's own KV cache.
+def hf_decoder(model: nn.Module) -> nn.Module:
+    """The decoder of a Hugging Face causal LM: its trunk without the LM head.
 
-    The loop MiniMind-style trainers run: one prefill over the left-padded
-    prompts, then one cached step per token; rows that emitted EOS keep
-    stepping but their later tokens are padding (mask False).
-
-    Args:
-        model: a :class:`TinyCausalLM` (or anything with its cache interface).
-        prompt_ids / prompt_mask: ``[B, P]`` left-padded prompts and their mask.
-        max_new_tokens: ``R``.
-
-    Returns:
-        ``(response_ids [B, R], log_probs [B, R] float32, mask [B, R] bool)``;
-        response tokens after EOS are ``pad_id`` with log-prob 0 and mask False.
+    ``model.get_decoder()`` when the model has it (Hugging Face's own lookup;
+    a decoder returns itself), else ``model.base_model`` when that is another
+    module, else ``model`` (already a decoder, or a stand-in for one).
     """
-    B, P = prompt_ids.shape
-    device = prompt_ids.device
-    cache = model.new_cache(B, P + max_new_tokens, device=device)
-    pos = position_ids_from_mask(prompt_mask)
-    out = model(prompt_ids, prompt_mask, position_ids=pos, cache=cache, cache_slots=0)
-    logits = out.logits[:, -1]  # [B, V]
-    next_pos = pos[:, -1] + 1  # [B]
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    tokens, logps, masks = [], [], []
-    for j in range(max_new_tokens):
-        logp_all = torch.log_softmax(logits, dim=-1)
-        tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
-        tokens.append(torch.where(alive, tok, pad_id))
-        logps.append(torch.where(alive, logp_all.gather(-1, tok[:, None]).squeeze(-1), 0.0))
-        masks.append(alive)
-        alive = alive & (tok != eos_id)
-        if j + 1 < max_new_tokens:
-            out = model(tok[:, None], None, position_ids=next_pos[:, None], cache=cache, cache_slots=P + j)
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
-    return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        decoder = get_decoder()
+        if isinstance(decoder, nn.Module):
+            return decoder
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else model
 
 
-# --------------------------------------------------------------------------- #
-# The env-facing policy: next-token logits with a per-row KV cache
-# --------------------------------------------------------------------------- #
+def hf_forward(
+    module: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    output: str = "last_hidden_state",
+    **kwargs,
+) -> Tensor:
+    """One forward call into a Hugging Face module, and the output field asked for.
 
-
-def _param_version(params: list[Tensor]) -> int:
-    return sum(p._version for p in params)
-
-
-class NextTokenLogits(nn.Module):
-    """Logits of the next token for each env row, from the token buffer.
-
-    Reads the observation of ``TokenLMEnv``: the buffer ``tokens [N, S]``, its
-    ``attention_mask [N, S]`` and ``position [N]`` (the column the next token
-    goes to), and returns ``logits [N, V]`` (float32) predicted at column
-    ``position - 1``. Under ``torch.no_grad()`` it keeps a per-row KV cache
-    (module docstring); otherwise, or with extra leading dims, or for a model
-    without ``supports_kv_cache``, it runs a full forward.
+    Calls ``module(input_ids=input_ids, attention_mask=attention_mask.long(), **kwargs)``
+    (``attention_mask=None`` stays ``None``) and returns ``out.<output>``:
+    ``"last_hidden_state"`` ``[B, T, H]`` of a decoder (:func:`hf_decoder`), or
+    ``"logits"`` ``[B, T, V]`` of a causal LM (its own forward, so forward hooks
+    and model-specific logit processing apply). Any module whose output has
+    that attribute works (a stand-in in tests).
 
     Example:
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
-        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=6)).eval()
-        >>> head = NextTokenLogits(lm)
-        >>> tokens = torch.tensor([[0, 4, 5, 0, 0, 0]])          # prompt [_, 4, 5], width P = 3
-        >>> mask = torch.tensor([[False, True, True, False, False, False]])
-        >>> with torch.no_grad():
-        ...     cached = head(tokens, mask, torch.tensor([3]))
-        >>> full = lm(tokens[:, :3], mask[:, :3]).logits[:, -1]
-        >>> torch.allclose(cached, full, atol=1e-5)
-        True
+        >>> class Decoder(nn.Module):                       # stands in for a causal LM's decoder
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return type("Out", (), {"last_hidden_state": input_ids[..., None].float()})()
+        >>> hf_forward(Decoder(), torch.tensor([[1, 2]]), torch.tensor([[True, True]])).shape
+        torch.Size([1, 2, 1])
     """
-
-    #: Take the one-window path when its token count is at most this factor times the
-    #: prefill + step path's (two forwards cost more per token on small batches).
-    window_factor: float = 2.0
-
-    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True):
-        super().__init__()
-        self.model = model
-        self.use_kv_cache = bool(use_kv_cache) and getattr(model, "supports_kv_cache", False)
-        self.reset_cache()
-
-    def reset_cache(self) -> None:
-        """Forget the cache (it is rebuilt on the next call)."""
-        self._cache: KVCache | None = None
-        self._cache_len: Tensor | None = None
-        self._cache_tokens: Tensor | None = None
-        self._cache_version = -1
-        self._params: list[Tensor] | None = None
-
-    def __getstate__(self):  # never pickle the cache into collector workers
-        state = self.__dict__.copy()
-        state.update(_cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _params=None)
-        return state
-
-    def forward(self, tokens: Tensor, attention_mask: Tensor, position: Tensor) -> Tensor:
-        attention_mask = attention_mask.bool()
-        position = position.reshape(tokens.shape[:-1])
-        S = tokens.shape[-1]
-        if _validate.checking_values() and position.numel():
-            lo, hi = torch.stack([position.min(), position.max()]).tolist()
-            if lo < 1 or hi > S:
-                raise ValueError(
-                    f"position holds {lo if lo < 1 else hi}, outside [1, {S}] for a token buffer of S={S} columns: "
-                    f"position is the column the next token goes to, after at least one prompt token"
-                )
-        with value_checks(False):  # the env validated its tokens; no per-step host syncs for them
-            if tokens.dim() != 2 or not self.use_kv_cache or torch.is_grad_enabled():
-                return self._full(tokens, attention_mask, position)
-            return self._cached(tokens, attention_mask, position)
-
-    def _full(self, tokens, attention_mask, position):
-        lead = tokens.shape[:-1]
-        S = tokens.shape[-1]
-        tokens, attention_mask, last = tokens.reshape(-1, S), attention_mask.reshape(-1, S), position.reshape(-1) - 1
-        hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
-        h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-        return self.model.lm_head(h).float().reshape(*lead, -1)
-
-    def _cached(self, tokens, attention_mask, position):
-        N, S = tokens.shape
-        if self._params is None:
-            self._params = list(self.model.parameters())
-        version = _param_version(self._params)
-        cache = self._cache
-        if (
-            cache is None
-            or cache.batch_size != N
-            or cache.max_len != S
-            or cache.k.device != tokens.device
-            or version != self._cache_version
-        ):
-            cache = self._cache = self.model.new_cache(N, S, device=tokens.device)
-            self._cache_len = torch.full((N,), -1, dtype=torch.long, device=tokens.device)
-            self._cache_tokens = None
-            self._params = list(self.model.parameters())  # re-read on every rebuild
-            self._cache_version = version = _param_version(self._params)
-        last = position - 1  # [N] column of the newest token
-        cols = torch.arange(S, device=tokens.device)
-        stale = self._cache_len != last
-        if self._cache_tokens is not None:
-            stale |= ((tokens != self._cache_tokens) & (cols < self._cache_len[:, None])).any(-1)
-        pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
-        # One host sync per step: are there stale rows, and can one windowed forward serve all rows?
-        # The common case (rows just reset, all at the same prompt end L0, every other row at or
-        # beyond it): feed every row its last L0 + 1 columns; fresh rows fill their cache from
-        # column 0, the others rewrite L0 cached columns with identical values. One forward, no prefill.
-        l0 = torch.where(stale, last, -1).max()
-        one_window = (torch.where(stale, last, l0) == l0).all() & (last >= l0).all()
-        n_stale, l0, one_window = torch.stack([stale.sum(), l0, one_window.long()]).tolist()
-        # window: N (L0 + 1) tokens in one forward; prefill + step: n_stale L0 + N tokens in two
-        if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (n_stale * l0 + N):
-            slots = last[:, None] - l0 + torch.arange(l0 + 1, device=tokens.device)  # [N, L0 + 1]
-            out = self.model(
-                tokens.gather(1, slots),
-                attention_mask.gather(1, slots),
-                position_ids=pos_ids.gather(1, slots),
-                cache=cache,
-                cache_slots=slots,
-            )
-            self._cache_len = position.clone()
-            self._cache_tokens = tokens.clone()
-            return out.logits[:, -1]
-        if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
-            rows = stale.nonzero().squeeze(-1)
-            width = max(1, int(last[rows].max()))  # columns [0, width) hold every stale row's prefix
-            sub = self.model.new_cache(rows.numel(), S, device=tokens.device)
-            prefix = attention_mask[rows, :width] & (cols[:width] < last[rows, None])
-            self.model(
-                tokens[rows, :width], prefix, position_ids=pos_ids[rows, :width], cache=sub, cache_slots=0,
-                compute_logits=False,
-            )
-            cache.k[:, rows] = sub.k
-            cache.v[:, rows] = sub.v
-            cache.valid[rows] = sub.valid
-        x = tokens.gather(1, last[:, None])  # [N, 1]
-        out = self.model(
-            x,
-            attention_mask.gather(1, last[:, None]),
-            position_ids=pos_ids.gather(1, last[:, None]),
-            cache=cache,
-            cache_slots=last[:, None],
+    am = None if attention_mask is None else attention_mask.long()
+    out = module(input_ids=input_ids, attention_mask=am, **kwargs)
+    x = getattr(out, output, None)
+    if x is None:
+        fix = (
+            "pass the decoder of a Hugging Face causal LM (model.base_model), or a module whose output has "
+            ".last_hidden_state"
+            if output == "last_hidden_state"
+            else f"pass a Hugging Face causal LM (AutoModelForCausalLM), or a module whose output has .{output}"
         )
-        self._cache_len = position.clone()
-        self._cache_tokens = tokens.clone()
-        return out.logits[:, 0]
-
-
-def make_actor(
-    model: nn.Module,
-    *,
-    use_kv_cache: bool = True,
-    tokens_key: str = "tokens",
-    attention_mask_key: str = "attention_mask",
-    position_key: str = "position",
-    action_key: str = "action",
-    log_prob_key: str = "sample_log_prob",
-) -> ProbabilisticTensorDictSequential:
-    """The env policy: ``Categorical(logits=NextTokenLogits(model)(obs))``.
-
-    Writes ``logits`` ``[N, V]``, ``action`` ``[N]`` (a token id) and
-    ``sample_log_prob`` ``[N]`` (float32). Under
-    ``set_exploration_type(ExplorationType.DETERMINISTIC)`` it picks the
-    argmax token (greedy decoding); the default (collectors) samples.
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
-        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=6))
-        >>> actor = make_actor(lm)
-        >>> td = TensorDict(tokens=torch.tensor([[1, 2, 0]]), attention_mask=torch.tensor([[True, True, False]]),
-        ...                 position=torch.tensor([2]), batch_size=[1])
-        >>> with torch.no_grad():
-        ...     td = actor(td)
-        >>> sorted(k for k in td.keys() if k not in ("tokens", "attention_mask", "position"))
-        ['action', 'logits', 'sample_log_prob']
-        >>> td["sample_log_prob"].shape
-        torch.Size([1])
-    """
-    logits = TensorDictModule(
-        NextTokenLogits(model, use_kv_cache=use_kv_cache),
-        in_keys=[tokens_key, attention_mask_key, position_key],
-        out_keys=["logits"],
-    )
-    dist = ProbabilisticTensorDictModule(
-        in_keys=["logits"],
-        out_keys=[action_key],
-        distribution_class=torch.distributions.Categorical,
-        distribution_kwargs={"validate_args": False},  # logits come from the model: skip per-step checks
-        return_log_prob=True,
-        log_prob_key=log_prob_key,
-        default_interaction_type=InteractionType.RANDOM,
-    )
-    return ProbabilisticTensorDictSequential(logits, dist)
-
-
-# --------------------------------------------------------------------------- #
-# Training-time networks on the LLM layout [B, R]
-# --------------------------------------------------------------------------- #
-
-
-class ResponseLogProbs(nn.Module):
-    """Per-token log-probs (and entropies) of the response tokens, one full forward.
-
-    ``input_ids [B, P + R]`` holds a left-padded prompt of width ``P`` and the
-    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``
-    (:func:`~ppo_objectives.functional.response_log_probs`). Outputs
-    ``[B, R]`` float32; positions after the response's end are garbage to be
-    masked by the caller. With ``entropy_grad=False`` the entropy is computed
-    without gradient (a logged diagnostic, no entropy bonus): cheaper backward.
-    """
-
-    def __init__(self, model: nn.Module, prompt_len: int, *, return_entropy: bool = True, entropy_grad: bool = True):
-        super().__init__()
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len={prompt_len!r} must be an int >= 1 (the prompt width P)")
-        self.model = model
-        self.prompt_len = prompt_len
-        self.return_entropy = return_entropy
-        self.entropy_grad = entropy_grad
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor):
-        B, T = input_ids.shape
-        R = T - self.prompt_len
-        if R < 1:
-            raise ValueError(
-                f"input_ids has T={T} columns but prompt_len={self.prompt_len}: there is no response to score; "
-                f"pass prompt + response ([B, P + R])"
-            )
-        logits = self.model(input_ids, attention_mask).logits
-        prompt_lens = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
-        with value_checks(False):
-            if not self.return_entropy or self.entropy_grad or not torch.is_grad_enabled():
-                return response_log_probs(logits, input_ids, prompt_lens, R, return_entropy=self.return_entropy)
-            logp = response_log_probs(logits, input_ids, prompt_lens, R)
-            with torch.no_grad():  # entropy for logging only: keep it out of the backward pass
-                _, entropy = response_log_probs(logits.detach(), input_ids, prompt_lens, R, return_entropy=True)
-        return logp, entropy
-
-
-class ResponseValues(nn.Module):
-    """Critic: ``values[b, j] = head(hidden[b, P - 1 + j])``, the value of the state
-    before response token ``j`` (MiniMind's critic convention), ``[B, R]`` float32."""
-
-    def __init__(self, model: nn.Module, prompt_len: int):
-        super().__init__()
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len={prompt_len!r} must be an int >= 1 (the prompt width P)")
-        self.model = model
-        self.prompt_len = prompt_len
-        self.value_head = nn.Linear(model.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        T = input_ids.shape[1]
-        if T - self.prompt_len < 1:
-            raise ValueError(
-                f"input_ids has T={T} columns but prompt_len={self.prompt_len}: there is no response to value; "
-                f"pass prompt + response ([B, P + R])"
-            )
-        hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
-        h = hidden[:, self.prompt_len - 1 : T - 1]  # [B, R, C]
-        return self.value_head(h).squeeze(-1).float()
-
-
-@dataclass
-class ActorCritic:
-    """The networks of one PPO run (see :func:`make_actor_critic`).
-
-    Attributes:
-        policy: env policy (:func:`make_actor`), writes ``action`` / ``sample_log_prob``.
-        actor: TensorDictModule ``(input_ids, attention_mask) -> (log_prob, entropy)`` ``[B, R]``.
-        critic: TensorDictModule ``(input_ids, attention_mask) -> state_value`` ``[B, R]``.
-        actor_model / critic_model: the underlying causal LMs (the same object when shared).
-        critic_head: the value head (an ``nn.Linear``).
-    """
-
-    policy: ProbabilisticTensorDictSequential
-    actor: TensorDictModule
-    critic: TensorDictModule
-    actor_model: nn.Module
-    critic_model: nn.Module
-    critic_head: nn.Module
-
-    @property
-    def shared_trunk(self) -> bool:
-        return self.actor_model is self.critic_model
-
-    def actor_parameters(self):
-        return list(self.actor_model.parameters())
-
-    def critic_parameters(self):
-        """Critic-only parameters (just the head when the trunk is shared)."""
-        own = list(self.critic_head.parameters())
-        return own if self.shared_trunk else list(self.critic_model.parameters()) + own
-
-
-def make_actor_critic(
-    model: nn.Module | TinyLMConfig,
-    prompt_len: int,
-    *,
-    shared_trunk: bool = False,
-    critic_model: nn.Module | None = None,
-    use_kv_cache: bool = True,
-    entropy_grad: bool = True,
-    log_prob_key: str = "log_prob",
-    entropy_key: str = "entropy",
-    value_key: str = "state_value",
-) -> ActorCritic:
-    """Actor and critic built from one causal LM.
-
-    Args:
-        model: a causal LM (:class:`TinyCausalLM`, :class:`HFCausalLMAdapter`) or a config.
-        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
-        shared_trunk: the critic's value head sits on the actor's trunk (one set of
-            weights) instead of on its own copy (MiniMind's separate critic, the default).
-        critic_model: an explicit critic trunk (overrides ``shared_trunk``).
-        entropy_grad: let gradients flow through the actor's entropy (needed for an
-            entropy bonus; ``False`` makes it a cheaper logged diagnostic).
-
-    Example:
-        >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
-        >>> from tensordict import TensorDict
-        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
-        ...                 batch_size=[2])
-        >>> ac.actor(td)["log_prob"].shape, ac.critic(td)["state_value"].shape
-        (torch.Size([2, 4]), torch.Size([2, 4]))
-        >>> ac.shared_trunk
-        False
-    """
-    if isinstance(model, TinyLMConfig):
-        model = TinyCausalLM(model)
-    if critic_model is None:
-        critic_model = model if shared_trunk else copy.deepcopy(model)
-    policy = make_actor(model, use_kv_cache=use_kv_cache)
-    actor = TensorDictModule(
-        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad),
-        in_keys=["input_ids", "attention_mask"],
-        out_keys=[log_prob_key, entropy_key],
-    )
-    values = ResponseValues(critic_model, prompt_len)
-    critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
-    return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
-
-
-# --------------------------------------------------------------------------- #
-# Hugging Face adapter (optional extra: pip install ppo_objectives[hf])
-# --------------------------------------------------------------------------- #
+        raise TypeError(f"{type(module).__name__} returned no {output}; {fix}")
+    return x
 
 
 class HFCausalLMAdapter(nn.Module):
@@ -841,8 +498,11 @@ class HFCausalLMAdapter(nn.Module):
 
     ``forward(input_ids, attention_mask, position_ids=None, compute_logits=True)
     -> LMOutput(logits float32, hidden)``, plus ``hidden_size``, ``vocab_size``
-    and ``lm_head``, so :func:`make_actor` and :func:`make_actor_critic` accept
-    it. Positions are computed from the attention mask (left padding aware).
+    and ``lm_head``, so :func:`~ppo_objectives.policy.make_actor` and
+    :func:`~ppo_objectives.readouts.make_actor_critic` accept it. Positions are
+    computed from the attention mask (left padding aware). The decoder runs
+    through :func:`hf_decoder` / :func:`hf_forward` (as in the full-sequence
+    read-outs), then the LM head on its hidden states.
     It has no per-row KV cache (``supports_kv_cache = False``): the env policy
     runs a full forward per token, O(S^2); the training path is unaffected.
 
@@ -886,8 +546,8 @@ class HFCausalLMAdapter(nn.Module):
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        body = self.hf_model.get_decoder()
-        out = body(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state
+        hidden = hf_forward(
+            hf_decoder(self.hf_model), input_ids, attention_mask, position_ids=position_ids, use_cache=False
+        )
         logits = self.lm_head(hidden).float() if compute_logits else None
         return LMOutput(logits, hidden)

@@ -1,0 +1,485 @@
+"""PPO read-outs on a causal LM: per-token log-probs (actor) and per-token values (critic).
+
+One read-out family for both batch layouts of :mod:`ppo_objectives.layouts`:
+
+- **log-probs**: :func:`read_log_probs` turns logits into the log-probs (and
+  entropies) of the tokens at given positions, always through
+  :func:`ppo_objectives.functional.response_log_probs` (float32, chunked, no
+  ``[B, T, V]`` float32 log-softmax).
+- **values**: :func:`read_values` turns hidden states into values with a
+  scalar head built by :func:`value_head`, the one value-head construction.
+
+The modules differ only in which positions they read and how they reach the
+model:
+
+==================================== ================================= =========================================
+module                               positions                         model
+==================================== ================================= =========================================
+:class:`ResponseLogProbs`            response slice ``[P - 1, T - 1)`` our LM interface (``TinyCausalLM``,
+:class:`ResponseValues`              -> ``[B, R]``                     ``HFCausalLMAdapter``): ``LMOutput``
+:class:`CausalLMTokenLogProbs`       the full sequence, 0 where        a Hugging Face module, through
+:class:`CausalLMCritic`              ``mask`` is False -> ``[B, T]``   :func:`ppo_objectives.models.hf_forward`
+==================================== ================================= =========================================
+
+:func:`make_actor_critic` wraps the first pair (plus the env policy of
+:func:`ppo_objectives.policy.make_actor`) for the response layout; it is what
+``ppo_objectives/train.py`` runs. The second pair reads the full-sequence
+layout of TorchRL's LLM stack (also importable from
+:mod:`ppo_objectives.llm_interop`). Every name but the helpers is importable
+from :mod:`ppo_objectives.models` too.
+
+Shape letters: ``B`` rows; ``P`` prompt width (left-padded prompts); ``R``
+response length; ``T`` tokens per row; ``H`` hidden size; ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModule, TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import Tensor, nn
+
+from ppo_objectives import _validate
+from ppo_objectives.functional import response_log_probs, value_checks
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig, hf_decoder, hf_forward
+from ppo_objectives.policy import make_actor
+
+__all__ = [
+    "VALUE_HEAD_INITS",
+    "ActorCritic",
+    "CausalLMCritic",
+    "CausalLMTokenLogProbs",
+    "ResponseLogProbs",
+    "ResponseValues",
+    "make_actor_critic",
+    "read_log_probs",
+    "read_values",
+    "value_head",
+]
+
+# --------------------------------------------------------------------------- #
+# The shared read-outs
+# --------------------------------------------------------------------------- #
+
+#: The value-head initialisations :func:`value_head` knows.
+VALUE_HEAD_INITS = ("zeros", "normal")
+
+
+def value_head(hidden_size: int, *, init: str = "zeros") -> nn.Linear:
+    """The critic's scalar head ``nn.Linear(hidden_size, 1)``: ``value = w . h + c``.
+
+    Two initialisations, each kept because the results built on it depend on it:
+
+    - ``init="zeros"`` (``w = 0``, ``c = 0``; :func:`make_actor_critic` and
+      :class:`ResponseValues`, hence the training job): every value starts at
+      exactly 0, so the first advantages are the returns themselves and no
+      random value noise enters the first policy update. The trunk gets no value
+      gradient until the head has moved away from 0 (one optimizer step).
+    - ``init="normal"`` (``w ~ Normal(0, std = 1 / sqrt(H + 1))``, ``c = 0``;
+      :class:`CausalLMCritic`): a fan-in scaled head (``H`` inputs plus the
+      bias), so values start at the scale of the hidden states (order one after
+      the LM's final norm) and the trunk gets a value gradient from the first step.
+
+    The head is built as an ``nn.Linear`` (whose default initialisation draws
+    from the global RNG) and then overwritten; ``"normal"`` draws once more.
+
+    Example:
+        >>> head = value_head(4)
+        >>> head.weight.abs().sum().item(), head.bias.item()
+        (0.0, 0.0)
+        >>> value_head(4, init="normal").weight.shape
+        torch.Size([1, 4])
+    """
+    _validate.check_int("hidden_size", hidden_size, low=1, where="value_head ")
+    if init not in VALUE_HEAD_INITS:
+        raise ValueError(f"value_head init={init!r} is unknown; choose one of {VALUE_HEAD_INITS}")
+    head = nn.Linear(hidden_size, 1)
+    if init == "zeros":
+        nn.init.zeros_(head.weight)
+    else:
+        nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def read_values(head: nn.Module, hidden: Tensor) -> Tensor:
+    """Values ``[B, n]`` float32 of hidden states ``[B, n, H]``: ``head(hidden)`` without its feature dim."""
+    return head(hidden).squeeze(-1).float()
+
+
+def read_log_probs(
+    logits: Tensor,
+    input_ids: Tensor,
+    starts: Tensor,
+    length: int,
+    *,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs ``[B, length]`` (and entropies) of the tokens ``input_ids[b, starts[b] + j]``.
+
+    ``logp[b, j] = log_softmax(logits[b, starts[b] - 1 + j])[input_ids[b, starts[b] + j]]``, by
+    :func:`ppo_objectives.functional.response_log_probs`. With ``entropy_grad=False`` (and
+    gradients enabled) the entropy is computed without gradient: a logged diagnostic with a
+    cheaper backward pass.
+
+    Example:
+        >>> logits = torch.zeros(1, 3, 4)                       # uniform over 4 tokens
+        >>> read_log_probs(logits, torch.tensor([[1, 2, 3]]), torch.tensor([1]), 2)
+        tensor([[-1.3863, -1.3863]])
+    """
+    if not return_entropy or entropy_grad or not torch.is_grad_enabled():
+        return response_log_probs(logits, input_ids, starts, length, return_entropy=return_entropy)
+    logp = response_log_probs(logits, input_ids, starts, length)
+    with torch.no_grad():  # entropy for logging only: keep it out of the backward pass
+        _, entropy = response_log_probs(logits.detach(), input_ids, starts, length, return_entropy=True)
+    return logp, entropy
+
+
+# --------------------------------------------------------------------------- #
+# Response layout [B, R]: the response slice of a [B, P + R] forward
+# --------------------------------------------------------------------------- #
+
+
+def _response_len(T: int, prompt_len: int, what: str) -> int:
+    if T - prompt_len < 1:
+        raise ValueError(
+            f"input_ids has T={T} columns but prompt_len={prompt_len}: there is no response to {what}; "
+            f"pass prompt + response ([B, P + R])"
+        )
+    return T - prompt_len
+
+
+class ResponseLogProbs(nn.Module):
+    """Per-token log-probs (and entropies) of the response tokens, one full forward.
+
+    ``input_ids [B, P + R]`` holds a left-padded prompt of width ``P`` and the
+    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``
+    (:func:`read_log_probs`). Outputs ``[B, R]`` float32; positions after the
+    response's end are garbage to be masked by the caller. With
+    ``entropy_grad=False`` the entropy is computed without gradient (a logged
+    diagnostic, no entropy bonus): cheaper backward.
+    """
+
+    def __init__(self, model: nn.Module, prompt_len: int, *, return_entropy: bool = True, entropy_grad: bool = True):
+        super().__init__()
+        _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
+        self.model = model
+        self.prompt_len = prompt_len
+        self.return_entropy = return_entropy
+        self.entropy_grad = entropy_grad
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor):
+        B, T = input_ids.shape
+        R = _response_len(T, self.prompt_len, "score")
+        logits = self.model(input_ids, attention_mask).logits
+        starts = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
+        with value_checks(False):  # the positions are in range by construction
+            return read_log_probs(
+                logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
+            )
+
+
+class ResponseValues(nn.Module):
+    """Critic: ``values[b, j] = head(hidden[b, P - 1 + j])``, the value of the state
+    before response token ``j`` (MiniMind's critic convention), ``[B, R]`` float32.
+
+    The head is :func:`value_head` with ``init="zeros"``."""
+
+    def __init__(self, model: nn.Module, prompt_len: int):
+        super().__init__()
+        _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
+        self.model = model
+        self.prompt_len = prompt_len
+        self.value_head = value_head(model.hidden_size, init="zeros")
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        T = input_ids.shape[1]
+        _response_len(T, self.prompt_len, "value")
+        hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
+        return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
+
+
+@dataclass
+class ActorCritic:
+    """The networks of one PPO run (see :func:`make_actor_critic`).
+
+    Attributes:
+        policy: env policy (:func:`~ppo_objectives.policy.make_actor`), writes ``action`` / ``sample_log_prob``.
+        actor: TensorDictModule ``(input_ids, attention_mask) -> (log_prob, entropy)`` ``[B, R]``.
+        critic: TensorDictModule ``(input_ids, attention_mask) -> state_value`` ``[B, R]``.
+        actor_model / critic_model: the underlying causal LMs (the same object when shared).
+        critic_head: the value head (an ``nn.Linear``, :func:`value_head`).
+    """
+
+    policy: ProbabilisticTensorDictSequential
+    actor: TensorDictModule
+    critic: TensorDictModule
+    actor_model: nn.Module
+    critic_model: nn.Module
+    critic_head: nn.Module
+
+    @property
+    def shared_trunk(self) -> bool:
+        return self.actor_model is self.critic_model
+
+    def actor_parameters(self):
+        return list(self.actor_model.parameters())
+
+    def critic_parameters(self):
+        """Critic-only parameters (just the head when the trunk is shared)."""
+        own = list(self.critic_head.parameters())
+        return own if self.shared_trunk else list(self.critic_model.parameters()) + own
+
+
+def make_actor_critic(
+    model: nn.Module | TinyLMConfig,
+    prompt_len: int,
+    *,
+    shared_trunk: bool = False,
+    critic_model: nn.Module | None = None,
+    use_kv_cache: bool = True,
+    entropy_grad: bool = True,
+    log_prob_key: str = "log_prob",
+    entropy_key: str = "entropy",
+    value_key: str = "state_value",
+) -> ActorCritic:
+    """Actor and critic built from one causal LM, for the response layout.
+
+    Batch shape: ``actor`` and ``critic`` read ``input_ids`` / ``attention_mask``
+    ``[B, P + R]`` and write ``[B, R]`` entries, so they run on a TensorDict with
+    ``batch_size=[B]``: the response layout as
+    :func:`~ppo_objectives.layouts.trajectories_to_llm_batch` returns it (a
+    ``[B, R]`` TensorDict cannot hold the ``[B, P + R]`` inputs).
+    :class:`~ppo_objectives.value.MaskedGAE` reads that same ``[B]`` TensorDict
+    (its "``[B]`` TensorDict with ``[B, R]`` entries" form); its preferred
+    ``batch_size=[B, R]`` fits a TensorDict of the per-token entries only, and
+    is the one to use when ``R == 1`` (see :mod:`ppo_objectives.layouts`).
+
+    Args:
+        model: a causal LM (:class:`~ppo_objectives.models.TinyCausalLM`,
+            :class:`~ppo_objectives.models.HFCausalLMAdapter`) or a config.
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        shared_trunk: the critic's value head sits on the actor's trunk (one set of
+            weights) instead of on its own copy (MiniMind's separate critic, the default).
+        critic_model: an explicit critic trunk (overrides ``shared_trunk``).
+        entropy_grad: let gradients flow through the actor's entropy (needed for an
+            entropy bonus; ``False`` makes it a cheaper logged diagnostic).
+
+    The value head is :func:`value_head` with ``init="zeros"``.
+
+    Example:
+        >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
+        ...                 batch_size=[2])
+        >>> ac.actor(td)["log_prob"].shape, ac.critic(td)["state_value"].shape
+        (torch.Size([2, 4]), torch.Size([2, 4]))
+        >>> ac.shared_trunk
+        False
+    """
+    if isinstance(model, TinyLMConfig):
+        model = TinyCausalLM(model)
+    if critic_model is None:
+        critic_model = model if shared_trunk else copy.deepcopy(model)
+    policy = make_actor(model, use_kv_cache=use_kv_cache)
+    actor = TensorDictModule(
+        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad),
+        in_keys=["input_ids", "attention_mask"],
+        out_keys=[log_prob_key, entropy_key],
+    )
+    values = ResponseValues(critic_model, prompt_len)
+    critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
+    return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
+
+
+# --------------------------------------------------------------------------- #
+# Full-sequence layout [B, T]: every token of a row, 0 off the mask
+# --------------------------------------------------------------------------- #
+
+
+def _check_row_inputs(tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None, who: str):
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(
+            f"{who}: tokens must be a [B, T] tensor of token ids, got {shape}; convert TorchRL turn batches "
+            f"with LLMToTokenBatch first"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise TypeError(f"{who}: tokens must hold integer token ids, got dtype {tokens.dtype}")
+    _validate.check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
+    if attention_mask is not None:
+        attention_mask = _validate.check_mask(attention_mask, tokens.shape, "tokens")
+    if mask is not None:
+        mask = _validate.check_mask(mask, tokens.shape, "tokens")
+    return attention_mask, mask
+
+
+def _zero_off_mask(mask: Tensor | None, *xs: Tensor) -> tuple[Tensor, ...]:
+    if mask is None:
+        return xs
+    return tuple(torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in xs)
+
+
+class CausalLMCritic(TensorDictModuleBase):
+    """A value head on a causal LM: one forward pass scores every token of every row.
+
+    ``state_value[b, t] = w . h[b, t - 1] + c`` is the value of the prefix
+    ``tokens[b, :t]`` — the state in which token ``t`` was chosen — where ``h``
+    are the LM's last hidden states (the decoder only; the LM head is not run)
+    and ``(w, c)`` a linear head (:func:`value_head` with ``init="normal"``).
+    ``("next", "state_value")[b, t] = w . h[b, t] + c``
+    is the value after token ``t`` (equal to ``state_value[b, t + 1]``); on the
+    last token of a dialog cut by the batch boundary it is the bootstrap value
+    :class:`~ppo_objectives.value.MaskedGAE` reads. Both are exactly 0 where
+    ``mask`` is False (holes and padding) and have the TorchRL layout ``[B, T, 1]``.
+
+    This is the token-level critic of RLHF-PPO (Ouyang et al. 2022; Ziegler et
+    al. 2019): a copy of the policy LM with a scalar head instead of the LM head.
+
+    Args:
+        model: a Hugging Face causal LM (``AutoModelForCausalLM.from_config(...)``,
+            or a copy of the policy's model) or its decoder; any module called
+            as ``model(input_ids=..., attention_mask=...)`` returning
+            ``.last_hidden_state`` of size ``hidden_size``. Its decoder is found by
+            :func:`~ppo_objectives.models.hf_decoder` and called through
+            :func:`~ppo_objectives.models.hf_forward`, as in ``HFCausalLMAdapter``.
+
+    Keyword Args:
+        hidden_size: defaults to ``model.config.hidden_size``.
+        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
+        out_key, next_out_key: outputs; ``next_out_key=None`` skips it.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> class Embed(torch.nn.Module):                 # stands in for a causal LM's decoder
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb = torch.nn.Embedding(10, 4)
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return type("Out", (), {"last_hidden_state": self.emb(input_ids)})()
+        >>> critic = CausalLMCritic(Embed(), hidden_size=4)
+        >>> td = TensorDict(
+        ...     {"tokens": torch.tensor([[1, 2, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]]).bool(),
+        ...      "mask": torch.tensor([[False, True, True, False]])},
+        ...     batch_size=[1, 4],
+        ... )
+        >>> critic(td)["state_value"].shape
+        torch.Size([1, 4, 1])
+        >>> (td["state_value"].squeeze(-1) != 0).tolist()     # exactly 0 off the mask
+        [[False, True, True, False]]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        hidden_size: int | None = None,
+        tokens_key: NestedKey = "tokens",
+        attention_mask_key: NestedKey | None = "attention_mask",
+        mask_key: NestedKey = "mask",
+        out_key: NestedKey = "state_value",
+        next_out_key: NestedKey | None = ("next", "state_value"),
+    ):
+        super().__init__()
+        if hidden_size is None:
+            config = getattr(model, "config", None)
+            hidden_size = getattr(config, "hidden_size", None)
+            if hidden_size is None:
+                raise ValueError(
+                    f"CausalLMCritic: cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
+                )
+        self.backbone = hf_decoder(model)
+        self.head = value_head(int(hidden_size), init="normal")
+        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
+        self.out_key, self.next_out_key = out_key, next_out_key
+        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
+        self.out_keys = [k for k in (out_key, next_out_key) if k is not None]
+
+    def values(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
+        """``(state_value, next_state_value)``, both ``[B, T]``, from ``[B, T]`` inputs."""
+        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMCritic")
+        h = hf_forward(self.backbone, tokens, attention_mask, output="last_hidden_state")  # [B, T, H]
+        after = read_values(self.head, h)  # [B, T]: value after token t
+        before = torch.cat([after.new_zeros(after.shape[0], 1), after[:, :-1]], dim=1)  # value before token t
+        before, after = _zero_off_mask(mask, before, after)
+        return before, after
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
+        before, after = self.values(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
+        tensordict.set(self.out_key, before.unsqueeze(-1))
+        if self.next_out_key is not None:
+            tensordict.set(self.next_out_key, after.unsqueeze(-1))
+        return tensordict
+
+
+class CausalLMTokenLogProbs(TensorDictModuleBase):
+    """Per-token log-probs (and entropies) of every row under a causal LM, in one forward pass.
+
+    ``log_prob[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]]`` for ``t >= 1``
+    (the alignment of ``sample_log_prob`` in
+    :class:`~ppo_objectives.layouts.LLMToTokenBatch`), computed by
+    :func:`read_log_probs` (:func:`ppo_objectives.functional.response_log_probs`)
+    in float32 without a full ``[B, T, V]`` float32 log-softmax. Exactly 0 where
+    ``mask`` is False. ``entropy[b, t]`` is the entropy of the same distribution.
+
+    Use it as the actor read-out of ``TokenPPOLoss`` (gradients flow into the
+    LM), and under ``torch.no_grad()`` with ``out_key="sample_log_prob"`` to
+    recompute the sampling log-probs of a converted batch.
+
+    Args:
+        model: a Hugging Face causal LM (the one inside ``TransformersWrapper``,
+            ``wrapper.model``), called through :func:`~ppo_objectives.models.hf_forward`
+            as ``model(input_ids=..., attention_mask=...)`` and returning
+            ``.logits`` ``[B, T, V]`` (its own forward runs, hooks and all).
+
+    Keyword Args:
+        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
+        out_key: the log-prob output. Defaults to ``"log_prob"``.
+        entropy_key: the entropy output; ``None`` skips it. Defaults to ``"entropy"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokens_key: NestedKey = "tokens",
+        attention_mask_key: NestedKey | None = "attention_mask",
+        mask_key: NestedKey = "mask",
+        out_key: NestedKey = "log_prob",
+        entropy_key: NestedKey | None = "entropy",
+    ):
+        super().__init__()
+        self.model = model
+        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
+        self.out_key, self.entropy_key = out_key, entropy_key
+        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
+        self.out_keys = [k for k in (out_key, entropy_key) if k is not None]
+
+    def log_probs(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
+        """``(log_prob, entropy)``, both ``[B, T]`` float32, from ``[B, T]`` inputs."""
+        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMTokenLogProbs")
+        B, T = tokens.shape
+        logits = hf_forward(self.model, tokens, attention_mask, output="logits")  # [B, T, V]
+        if T < 2:
+            zeros = logits.new_zeros(B, T, dtype=torch.float32)
+            return zeros, zeros.clone()
+        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
+        lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True)  # tokens 1..T-1
+        pad = lp.new_zeros(B, 1)
+        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
+        return _zero_off_mask(mask, lp, ent)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
+        lp, ent = self.log_probs(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
+        tensordict.set(self.out_key, lp)
+        if self.entropy_key is not None:
+            tensordict.set(self.entropy_key, ent)
+        return tensordict
