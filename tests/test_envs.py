@@ -288,3 +288,10 @@ def test_trajectories_cut_by_the_batch_start_are_dropped():
     single = trajectories_to_llm_batch(roll[0], env.prompt_len, env.max_new_tokens)  # a [T] batch
     assert single.batch_size == (2,)
     assert isinstance(single, TensorDict)
+
+
+def test_trajectories_to_llm_batch_keeps_its_old_import_path():
+    import ppo_objectives
+    from ppo_objectives import layouts
+
+    assert trajectories_to_llm_batch is layouts.trajectories_to_llm_batch is ppo_objectives.trajectories_to_llm_batch

@@ -628,6 +628,43 @@ def test_read_outs_reject_bad_inputs(lm):
         CausalLMCritic(torch.nn.Linear(2, 2))
 
 
+def test_old_import_paths_are_the_layouts_and_readouts_objects():
+    import ppo_objectives
+    from ppo_objectives import layouts, llm_interop, readouts
+
+    assert llm_interop.LLMToTokenBatch is layouts.LLMToTokenBatch is ppo_objectives.LLMToTokenBatch
+    assert llm_interop.bootstrap_from_next_turn is layouts.bootstrap_from_next_turn
+    assert llm_interop.CausalLMCritic is readouts.CausalLMCritic is ppo_objectives.CausalLMCritic
+    assert llm_interop.CausalLMTokenLogProbs is readouts.CausalLMTokenLogProbs
+
+
+def test_critic_head_is_the_documented_normal_init(lm):
+    critic = CausalLMCritic(make_lm_like(lm))
+    assert isinstance(critic.head, torch.nn.Linear) and critic.head.weight.shape == (1, lm.config.hidden_size)
+    assert (critic.head.bias == 0).all() and (critic.head.weight != 0).all()
+
+
+def test_token_log_probs_error_names_a_model_without_logits(lm):
+    with pytest.raises(TypeError, match="LlamaModel returned no logits; pass a Hugging Face causal LM"):
+        CausalLMTokenLogProbs(lm.model).log_probs(_row_batch()["tokens"])
+
+
+def test_turn_layout_links_each_turn_to_the_next_one_and_flags_only_the_last():
+    batch = rows(
+        [
+            turn_td([1], [1, 2], logp=[-1.0], reward=1.0),
+            turn_td([1, 2, 9], [1, 2, 9, 3, 4], logp=[-2.0, -3.0], reward=2.0, done=True),
+        ]
+    )
+    out = LLMToTokenBatch(layout="turn")(batch)
+    assert out.batch_size == torch.Size([2, 5])
+    assert out["next_turn_row"][:, 0].tolist() == [1, -1]
+    assert out["mask"].int().tolist() == [[0, 1, 0, 0, 0], [0, 0, 0, 1, 1]]
+    assert out["turn"].tolist() == [[-1, 0, -1, -1, -1], [-1, -1, -1, 0, 0]]
+    assert out["next", "done"].squeeze(-1).tolist() == [[False] * 5, [False] * 4 + [True]]
+    assert out["next", "reward"].squeeze(-1).tolist() == [[0, 1.0, 0, 0, 0], [0, 0, 0, 0, 2.0]]
+
+
 # --------------------------------------------------------------------------- #
 # With TorchRL's ChatEnv, TransformersWrapper and LLMCollector
 # --------------------------------------------------------------------------- #

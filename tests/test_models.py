@@ -1,5 +1,7 @@
 """TinyCausalLM, its KV cache, the env policy and the training-time actor / critic."""
 
+import copy
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -382,3 +384,103 @@ def test_hf_adapter_left_padding_matches_the_unpadded_sequence():
     padded = lm(ids, mask).logits[0, 2:]
     alone = lm(ids[:1, 2:]).logits[0]
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- module map and shared read-outs
+
+
+def test_moved_names_keep_their_old_import_path():
+    import ppo_objectives
+    from ppo_objectives import models, policy, readouts
+
+    for name in ("NextTokenLogits", "make_actor", "sample_with_kv_cache"):
+        assert getattr(models, name) is getattr(policy, name)
+    for name in ("ResponseLogProbs", "ResponseValues", "ActorCritic", "make_actor_critic"):
+        assert getattr(models, name) is getattr(readouts, name)
+    assert ppo_objectives.make_actor_critic is readouts.make_actor_critic
+    assert {"make_actor_critic", "NextTokenLogits"} <= set(dir(models)) and set(models.__all__) <= set(dir(models))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        models.no_such_name  # noqa: B018
+
+
+def test_value_head_inits_are_the_documented_ones():
+    from ppo_objectives.readouts import value_head
+
+    zeros = value_head(8)
+    assert isinstance(zeros, torch.nn.Linear) and zeros.weight.shape == (1, 8)
+    assert (zeros.weight == 0).all() and (zeros.bias == 0).all()
+    torch.manual_seed(0)
+    normal = value_head(4095, init="normal")
+    assert (normal.bias == 0).all()
+    assert normal.weight.std().item() == pytest.approx(1 / 4096**0.5, rel=0.05)
+    with pytest.raises(ValueError, match="init='ones' is unknown"):
+        value_head(8, init="ones")
+    with pytest.raises(ValueError, match="hidden_size=0 must be an int >= 1"):
+        value_head(0)
+
+
+def test_make_actor_critic_value_head_is_value_head_zeros():
+    # the training job's numbers depend on this init and on the RNG draws of building the networks
+    cfg = TinyLMConfig.preset("pico", vocab_size=16, block_size=8)
+    torch.manual_seed(0)
+    ac = make_actor_critic(cfg, prompt_len=3)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    lm = TinyCausalLM(cfg)
+    critic_lm = copy.deepcopy(lm)
+    head = torch.nn.Linear(cfg.n_embd, 1)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    assert torch.equal(torch.rand(3), after)
+    assert torch.equal(ac.critic_head.weight, head.weight) and torch.equal(ac.critic_head.bias, head.bias)
+    assert all(torch.equal(a, b) for a, b in zip(ac.critic_model.parameters(), critic_lm.parameters()))
+
+
+def test_read_log_probs_keeps_the_entropy_out_of_the_graph_when_asked():
+    from ppo_objectives.readouts import read_log_probs
+
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    ids = torch.randint(7, (2, 5))
+    starts = torch.tensor([2, 2])
+    lp, ent = read_log_probs(logits, ids, starts, 3, return_entropy=True, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    lp2, ent2 = read_log_probs(logits, ids, starts, 3, return_entropy=True)
+    assert ent2.requires_grad
+    torch.testing.assert_close(lp, lp2)
+    torch.testing.assert_close(ent, ent2.detach())
+
+
+def test_response_and_full_sequence_read_outs_agree_on_the_response_tokens():
+    # one read-out family: the same HF model read through both layouts gives the same numbers
+    pytest.importorskip("transformers")
+    from ppo_objectives.readouts import CausalLMCritic, CausalLMTokenLogProbs
+
+    adapter = _tiny_llama()
+    P, R = 3, 4
+    ids = torch.randint(16, (2, P + R))
+    mask = torch.ones(2, P + R, dtype=torch.bool)
+    resp_lp, resp_ent = ResponseLogProbs(adapter, P)(ids, mask)
+    full_lp, full_ent = CausalLMTokenLogProbs(adapter.hf_model).log_probs(ids, mask)
+    torch.testing.assert_close(resp_lp, full_lp[:, P:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(resp_ent, full_ent[:, P:], rtol=1e-5, atol=1e-5)
+    critic = CausalLMCritic(adapter.hf_model)
+    assert critic.backbone is adapter.hf_model.get_decoder()
+    values = ResponseValues(adapter, P)
+    values.value_head.load_state_dict(critic.head.state_dict())
+    before, _ = critic.values(ids, mask)
+    torch.testing.assert_close(values(ids, mask), before[:, P:], rtol=1e-5, atol=1e-5)
+
+
+def test_hf_helpers_find_the_decoder_and_name_a_missing_output():
+    from ppo_objectives.models import hf_decoder, hf_forward
+
+    adapter = _tiny_llama()
+    decoder = adapter.hf_model.model
+    assert hf_decoder(adapter.hf_model) is decoder and hf_decoder(decoder) is decoder
+    plain = torch.nn.Embedding(4, 2)
+    assert hf_decoder(plain) is plain
+    ids = torch.tensor([[1, 2, 3]])
+    hidden = hf_forward(decoder, ids, torch.ones(1, 3, dtype=torch.bool))
+    assert hidden.shape == (1, 3, 16)
+    with pytest.raises(TypeError, match="returned no logits; pass a Hugging Face causal LM"):
+        hf_forward(decoder, ids, output="logits")
