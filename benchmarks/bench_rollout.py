@@ -31,7 +31,8 @@ import time
 import torch
 
 from ppo_objectives.envs import DigitTask, TokenLMEnv
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig, make_actor, sample_with_kv_cache
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.policy import make_actor, sample_with_kv_cache
 
 
 def _sync(device):

@@ -6,11 +6,14 @@ wrapper and collector, and swap in token-level PPO with a value function:
 
     ChatEnv (+ reward, + a tool message after each reply)       one step = one assistant turn
       -> TransformersWrapper(generate=True) around a Llama      the policy
-      -> LLMCollector(postproc=LLMToTokenBatch())               turns -> one row per dialog, [B, T]
+      -> LLMCollector(postproc=LLMToTokenBatch())               turns -> full-sequence layout, one row per dialog, [B, T]
       -> recompute sample log-probs, critic values              CausalLMTokenLogProbs / CausalLMCritic
       -> KLPenaltyTransform (reference = frozen initial policy) per-token KL in the reward
       -> MaskedGAE                                              skips prompt, tool tokens and padding
       -> TokenPPOLoss, Adam                                     a few PPO epochs per batch
+
+The full-sequence layout (keys, shapes, what ``mask`` means, where rewards,
+values and done flags live) is stated in ``ppo_objectives/layouts.py``.
 
 Everything is local and tiny (no downloads): a character-level tokenizer built
 with ``tokenizers`` and a randomly initialised one-layer Llama. The task: the
