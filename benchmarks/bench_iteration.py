@@ -143,7 +143,7 @@ def measure(num_envs, preset, device, iterations, seed=0):
 
     # --- torchrl side
     ac = make_actor_critic(copy.deepcopy(base), P, entropy_grad=False)
-    ref = T._frozen_reference(ac.actor_model, P)
+    ref = T.frozen_reference(ac.actor_model, P)
     kl = KLPenaltyTransform(ref, coeff=FixedKLController(cfg.kl_coef), estimator="k1")
     gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=True, device=device)
     loss = TokenPPOLoss(ac.actor, ac.critic, clip_epsilon=cfg.clip_epsilon, clip_value=cfg.clip_value,

@@ -127,41 +127,48 @@ used), written atomically (temporary file +
 ``os.replace``) every ``--save-every`` iterations and at the end; ``--resume``
 continues from it and appends to ``metrics.csv`` (dropping any rows logged after that
 checkpoint by the interrupted run, which are logged again).
+
+Reading this file
+-----------------
+
+Top to bottom, like a single-file RL script: the configuration (every field a CLI
+flag), the pieces the job builds (collector, warm start, frozen reference), the
+algorithm (:func:`rollout_batch`, :func:`ppo_update`), and :func:`train`, whose
+loop is rollout -> update -> log -> checkpoint. What the job needs around that --
+DDP, checkpoints, RNG states, the metrics CSV, optimizer snapshots -- is in the
+internal module ``ppo_objectives/_plumbing.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 
+from ppo_objectives import _plumbing, _validate
 from ppo_objectives import functional as F
+from ppo_objectives._plumbing import plot_metrics, read_metrics  # public through this module
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.models import ActorCritic, ResponseLogProbs, TinyCausalLM, TinyLMConfig, make_actor_critic
 from ppo_objectives.monitor import FLAGS, CollapseGuard
-from ppo_objectives.monitor import plot_metrics as _plot
-from ppo_objectives.models import (
-    ActorCritic,
-    ResponseLogProbs,
-    TinyCausalLM,
-    TinyLMConfig,
-    make_actor_critic,
-)
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
-__all__ = ["TrainConfig", "TrainingCollapseWarning", "build_parser", "main", "ppo_update", "rollout_batch", "train"]
+__all__ = [
+    "TrainConfig", "TrainingCollapseWarning", "build_parser", "frozen_reference", "main", "make_collector",
+    "plot_metrics", "ppo_update", "read_metrics", "rollout_batch", "train", "warm_start",
+]  # fmt: skip
 
 METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
@@ -228,17 +235,14 @@ class TrainConfig:
         DigitTask(self.task, self.digits)  # the task checks its own arguments
         for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
                      "warmup_steps", "threads"):
-            value = getattr(self, name)
             low = 0 if name in ("iterations", "warmup_steps", "threads") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"TrainConfig {name}={value!r} must be an int >= {low}")
-        kl = self.early_stop_kl
-        if isinstance(kl, bool) or not isinstance(kl, (int, float)) or not (math.isfinite(kl) and kl >= 0):
-            raise ValueError(f"TrainConfig early_stop_kl={kl!r} must be a finite number >= 0 (0 turns the trust "
-                             "region off)")
+            _validate.check_int(name, getattr(self, name), low=low, where="TrainConfig ")
+        if not _validate.is_real(self.early_stop_kl, low=0.0):
+            raise ValueError(f"TrainConfig early_stop_kl={self.early_stop_kl!r} must be a finite number >= 0 (0 turns "
+                             "the trust region off)")
         for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if not _validate.is_real(value, low=0.0, strict=True):
                 raise ValueError(f"TrainConfig {name}={value!r} must be a finite number > 0")
 
 
@@ -263,102 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- #
-# Plumbing: torch.distributed (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK)
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class _Dist:
-    """Where this process stands: rank / world size, and the process group (``None`` alone)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    group: object = None
-    owns_group: bool = False  # we initialised it, so we destroy it
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _launched_world_size() -> int:
-    """``WORLD_SIZE`` of a torchrun launch, 0 when not launched by torchrun (or a process group exists)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
-        return 0
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {missing} are not: start data-parallel runs with "
-            "torchrun --nproc_per_node N -m ppo_objectives.train ..., or unset WORLD_SIZE for one process"
-        )
-    return int(os.environ["WORLD_SIZE"])
-
-
-def _init_distributed(device: str) -> _Dist:
-    """Join the torchrun job (gloo on CPU, nccl on CUDA); one process without a launcher."""
-    if not _launched_world_size():
-        return _Dist()
-    owns = not dist.is_initialized()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-    if owns:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")  # env:// rendezvous of torchrun
-    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist.group.WORLD, owns)
-
-
-def _all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
-    """In-place all-reduce (sum by default) over ``group``; the identity without one."""
-    if group is not None:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return x
-
-
-def _wrap_ddp(ac: ActorCritic, d: _Dist, device: torch.device) -> tuple[TensorDictModule, TensorDictModule, list]:
-    """Actor and critic TensorDict modules whose networks are ``DistributedDataParallel``.
-
-    The loss calls them (never ``.module``), so every backward all-reduces the gradients.
-    Construction broadcasts rank 0's parameters, so every rank starts identical.
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    kw = dict(device_ids=[device.index] if device.type == "cuda" else None)  # the models have no buffers
-    actor_ddp, critic_ddp = DDP(ac.actor.module, **kw), DDP(ac.critic.module, **kw)
-    actor = TensorDictModule(actor_ddp, in_keys=ac.actor.in_keys, out_keys=ac.actor.out_keys)
-    critic = TensorDictModule(critic_ddp, in_keys=ac.critic.in_keys, out_keys=ac.critic.out_keys)
-    return actor, critic, [actor_ddp, critic_ddp]
-
-
-def _param_checksums(modules) -> torch.Tensor:
-    """Per parameter ``(sum, sum of squares, position-weighted sum)`` in float64 ([3 * n_params])."""
-    rows = []
-    for m in modules:
-        for p in m.parameters():
-            x = p.detach().double().flatten()
-            w = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64) / x.numel()
-            rows.append(torch.stack([x.sum(), (x * x).sum(), (x * w).sum()]))
-    return torch.cat(rows)
-
-
-def _check_ranks_in_sync(modules, group) -> None:
-    """Raise when the parameters differ between ranks (their checksums are compared exactly)."""
-    if group is None:
-        return
-    c = _param_checksums(modules)
-    hi, lo = _all_reduce(c.clone(), group, dist.ReduceOp.MAX), -_all_reduce(-c, group, dist.ReduceOp.MAX)
-    if not torch.equal(hi, lo):
-        first = int((hi != lo).nonzero()[0]) // 3
-        raise RuntimeError(
-            f"the parameters differ between the {dist.get_world_size(group)} ranks (first at parameter #{first}): "
-            "the gradients were not synchronised -- call the DDP-wrapped networks, never their .module"
-        )
-
-
-# --------------------------------------------------------------------------- #
-# Plumbing: building the pieces
+# The pieces: env and collector, warm start, frozen reference, PPO modules
 # --------------------------------------------------------------------------- #
 
 
@@ -433,15 +342,69 @@ def warm_start(model: TinyCausalLM, task: DigitTask, steps: int, lr: float, gene
     return float(loss.detach())
 
 
-def _frozen_reference(actor_model, prompt_len: int) -> TensorDictModule:
+def frozen_reference(actor_model: torch.nn.Module, prompt_len: int) -> TensorDictModule:
+    """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
+    and without gradients, read out as per-token log-probabilities of the response.
+
+    Args:
+        actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
+            (after the warm start): later optimizer steps of the actor do not move the copy.
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+
+    Returns:
+        A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
+        writing ``log_prob`` (``[B, R]``): the reference
+        :class:`~ppo_objectives.transforms.KLPenaltyTransform` takes. Its copy of the network is
+        ``ref.module.model``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> ref = frozen_reference(lm, prompt_len=3)
+        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
+        ...                 batch_size=[2])
+        >>> ref(td)["log_prob"].shape
+        torch.Size([2, 4])
+        >>> ref.module.model is lm, any(p.requires_grad for p in ref.parameters())
+        (False, False)
+    """
     ref = copy.deepcopy(actor_model).eval().requires_grad_(False)
     return TensorDictModule(
         ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
     )
 
 
+def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictModule, ref: TensorDictModule,
+                 device: torch.device, process_group) -> tuple:
+    """The TorchRL modules of the iteration: KL controller, ``KLPenaltyTransform``, ``MaskedGAE``,
+    ``TokenPPOLoss`` (calling ``actor`` and ``critic``, DDP-wrapped under torchrun)."""
+    controller = (
+        AdaptiveKLController(cfg.kl_coef, target=cfg.kl_target, horizon=10_000)
+        if cfg.adaptive_kl
+        else FixedKLController(cfg.kl_coef)
+    ).to(device)
+    kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
+    # one process: GAE whitens its batch; torchrun: rollout_batch whitens over all ranks' tokens
+    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=process_group is None, device=device)
+    loss_module = TokenPPOLoss(
+        actor,
+        critic,
+        clip_epsilon=cfg.clip_epsilon,
+        critic_coeff=cfg.critic_coef,
+        clip_value=cfg.clip_value,
+        kl_coeff=cfg.kl_loss_coef,
+        entropy_coeff=cfg.entropy_coef,
+        entropy_bonus=True,  # the actor writes entropies: log them even without a bonus
+        early_stop_kl=cfg.early_stop_kl,
+        functional=False,
+        device=device,
+    )
+    loss_module.make_value_estimator(gae)
+    return controller, kl_transform, gae, loss_module
+
+
 # --------------------------------------------------------------------------- #
-# The algorithm
+# The algorithm: rollout, then the PPO update with its trust region
 # --------------------------------------------------------------------------- #
 
 
@@ -465,9 +428,29 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
     return llm
 
 
-_BACKTRACK = (0.5, 0.25, 0.125)  # fractions of a crossing step tried before it is undone (TRPO's backtracking)
-_LOGGED = ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "clip_fraction",
-           "max_ratio", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
+def _rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
+    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun)."""
+    score, B = llm["score"], llm.batch_size[0]
+    n_tok = llm["mask"].sum()
+    if pg is None:
+        return dict(
+            reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
+            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(kl_transform.last_kl),
+            seq_kl=float(kl_transform.last_seq_kl), seq_kl_t=kl_transform.last_seq_kl, tokens=int(n_tok),
+        )  # fmt: skip
+    v = torch.stack([
+        score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
+        kl_transform.last_kl.to(score.device), kl_transform.last_seq_kl.to(score.device) * B,
+    ]).to(torch.float64)  # fmt: skip
+    total = _plumbing.all_reduce(v, pg).tolist()
+    episodes = max(total[3], 1.0)
+    seq_kl = total[5] / episodes
+    return dict(
+        reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
+        episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
+        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=kl_transform.last_seq_kl.device),
+        tokens=int(total[2]),
+    )  # fmt: skip
 
 
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,
@@ -496,216 +479,182 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     decide on all-reduced numbers, so every rank takes (and undoes) the same steps.
     """
     B = llm.batch_size[0]
-    rank = dist.get_rank(process_group) if process_group is not None else 0
+    u = _TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group)
     # minibatches per epoch: the same on every rank, none empty on the rank with the most rows
-    most_rows = _all_reduce(torch.tensor(B, device=llm.device), process_group, dist.ReduceOp.MAX)
+    most_rows = _plumbing.all_reduce(torch.tensor(B, device=llm.device), process_group, dist.ReduceOp.MAX)
     n_minibatches = min(cfg.minibatches, int(most_rows))  # 0 for an empty batch: no step at all
-    actor_params, critic_params = ac.actor_parameters(), ac.critic_parameters()
-    all_params = list({id(p): p for p in actor_params + critic_params}.values())
-    rollback = bool(cfg.early_stop_kl) and not cfg.no_rollback
-    sums: dict[str, float] = {}
-    steps, kl_max, kl_token_max, stopped, grad_norm, skipped = 0, 0.0, 0.0, False, 0.0, 0
-    snapshot, last, first = None, None, None  # state before the last step, its logged numbers, the first forward's
-    kept = 1.0  # fraction of the crossing step kept by the trust region (1: nothing crossed)
-
-    def measure(out, mb):
-        """(kl_approx, its largest per-token value, some rank's loss is not finite), over all ranks."""
-        total = sum(v for k, v in out.items() if k.startswith("loss_"))
-        n = mb["mask"].sum().to(torch.float32)
-        signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
-        signal = _all_reduce(signal, process_group).tolist()  # host sync: the decisions need numbers
-        tok = _all_reduce(out["kl_approx_token_max"].detach().float().clone(), process_group, dist.ReduceOp.MAX)
-        kl = signal[0] / max(signal[1], 1.0) if process_group is not None else float(out["kl_approx"])
-        return total, kl, float(tok), signal[2] > 0
-
-    def measure_now(on):
-        """(kl_approx, its largest per-token value) of the current policy on minibatch ``on``, no gradient."""
-        with torch.no_grad():
-            norm = F.loss_normalizer(on["mask"], loss_module.loss_agg_mode, process_group=process_group)
-            _, kl, tok, _ = measure(loss_module(on, normalizer=norm), on)
-        return kl, tok
-
-    def pull_back_last_step(measured_on):
-        """The last step crossed the limit: shorten it (1/2, 1/4, 1/8 of it, measured on
-        ``measured_on``) until the policy is back inside, else undo it. Returns the fraction kept."""
-        nonlocal steps, grad_norm, kl_token_max
-        after = [p.detach().clone() for p in all_params]
-        for frac in _BACKTRACK:
-            with torch.no_grad():
-                for p, a, b in zip(all_params, snapshot[0], after):
-                    p.copy_(torch.lerp(a, b, frac))
-            kl, tok = measure_now(measured_on)
-            if kl <= cfg.early_stop_kl:
-                kl_token_max = max(kl_token_max, tok)
-                return frac  # AdamW keeps the moments of the gradient it saw
-        _restore(snapshot, all_params, optimizers)  # parameters and AdamW state as before the step
-        steps, grad_norm = steps - 1, grad_norm - last["grad_norm"]
-        for k, v in last["sums"].items():
-            sums[k] -= v
-        return 0.0
-
     mb = None
     for epoch in range(cfg.ppo_epochs if n_minibatches else 0):
         perm = torch.randperm(B, generator=generator).to(llm.device)
         for j, idx in enumerate(torch.tensor_split(perm, n_minibatches)):
             mb = llm[idx]
-            norm = F.loss_normalizer(mb["mask"], loss_module.loss_agg_mode, process_group=process_group)
-            out = loss_module(mb, normalizer=norm)
-            total, kl_now, kl_tok, nonfinite = measure(out, mb)
-            kl_max, kl_token_max = max(kl_max, kl_now), max(kl_token_max, kl_tok)
-            if first is None and not nonfinite:
-                first = {k: float(out[k].detach()) for k in _LOGGED if k in out.keys()}
+            out = u.loss(mb)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
+            total, kl_now, nonfinite = u.measure(out, mb)  # over all ranks
             if cfg.early_stop_kl and kl_now > cfg.early_stop_kl:
-                stopped = True  # this minibatch's step is not taken, nor any later one
-                if rollback and snapshot is not None:  # ... and the step that crossed the limit is taken back
-                    kept = pull_back_last_step(mb)
+                u.stop(mb)  # this minibatch's step is not taken, nor any later one; the crossing one is pulled back
                 break
             if nonfinite:
-                skipped += 1
-                if not torch.isfinite(total.detach()):  # the rank(s) whose loss it is say so
-                    _log_skip(rank, process_group, f"non-finite loss {_loss_terms(out)}", epoch, j)
+                u.skip_non_finite_loss(out, total, epoch, j)
                 continue
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            total.backward()
-            gn = torch.nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm)
-            gn_c = torch.nn.utils.clip_grad_norm_(
-                critic_params if not ac.shared_trunk else all_params, cfg.max_grad_norm
-            )
-            bad = _all_reduce((~torch.isfinite(torch.stack([gn, gn_c]))).any().float(), process_group)
-            if float(bad) > 0:  # clipping scaled by a NaN norm: the gradients are garbage, drop them
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                skipped += 1
-                if rank == 0:  # the gradients are all-reduced: the same on every rank
-                    why = f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})"
-                    _log_skip(rank, process_group, why, epoch, j)
-                continue
-            if rollback:
-                snapshot = _snapshot(all_params, optimizers, reuse=snapshot)
-            for opt in optimizers:
-                opt.step()
-            steps += 1
-            last = dict(grad_norm=float(gn), sums={k: float(out[k].detach()) for k in _LOGGED if k in out.keys()})
-            grad_norm += last["grad_norm"]
-            for k, v in last["sums"].items():
-                sums[k] = sums.get(k, 0.0) + v
-        if stopped:
+            grad_norm = u.backward(total, epoch, j)  # clipped; None when a norm is not finite (step skipped)
+            if grad_norm is not None:
+                u.step(out, grad_norm)
+        if u.stopped:
             break
-    if rollback and steps and not stopped:  # the policy after the last step: one more forward
-        kl_now, kl_tok = measure_now(mb)
-        kl_max, kl_token_max = max(kl_max, kl_now), max(kl_token_max, kl_tok)
-        if kl_now > cfg.early_stop_kl:
-            stopped = True
-            kept = pull_back_last_step(mb)
-    if not steps and first is not None:  # no step kept: the diagnostics of the unchanged policy
-        sums = dict(first)
-    keys = sorted(sums)
-    if process_group is not None and keys:  # the mean of the ranks' diagnostics (every rank took the same steps)
-        world = dist.get_world_size(process_group)
-        reduced = _all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=llm.device),
-                              process_group).tolist()
-        sums = {k: v / world for k, v in zip(keys, reduced)}
-    stats = {k: v / max(steps, 1) for k, v in sums.items()}
-    stats.update(updates=steps, early_stopped=int(stopped), rolled_back=int(kept < 1.0), step_fraction=kept,
-                 skipped_steps=skipped,
-                 kl_approx_max=kl_max, kl_token_max=kl_token_max, grad_norm=grad_norm / max(steps, 1))
-    return stats
+    if u.rollback and u.steps and not u.stopped:  # the policy after the last step: one more forward
+        u.check_last_step(mb)
+    return u.stats(llm.device)
 
 
-def _snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
-    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
+_BACKTRACK = (0.5, 0.25, 0.125)  # fractions of a crossing step tried before it is undone (TRPO's backtracking)
+_LOGGED = ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "clip_fraction",
+           "max_ratio", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
 
-    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
-    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
+
+class _TrustRegionUpdate:
+    """What one :func:`ppo_update` measures, steps, pulls back and counts (see its docstring).
+
+    Every decision (stop, skip, pull back) is taken on numbers all-reduced over
+    ``process_group``, so every rank takes the same steps.
     """
-    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
-            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
-    if reuse is not None and len(reuse[2]) == len(live):
-        saved_params, states, flat = reuse
-        torch._foreach_copy_(saved_params + flat, [p.detach() for p in params] + [v for *_, v in live])
-        return reuse
-    saved_params = [p.detach().clone() for p in params]
-    states = [{} for _ in optimizers]
-    flat = []
-    for i, p, k, v in live:
-        copy_v = v.clone()
-        states[i].setdefault(p, {})[k] = copy_v
-        flat.append(copy_v)
-    return saved_params, states, flat
+
+    def __init__(self, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig, process_group):
+        self.loss_module, self.optimizers, self.cfg, self.pg = loss_module, optimizers, cfg, process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.actor_params, self.critic_params = ac.actor_parameters(), ac.critic_parameters()
+        self.all_params = list({id(p): p for p in self.actor_params + self.critic_params}.values())
+        self.clipped_critic_params = self.critic_params if not ac.shared_trunk else self.all_params
+        self.rollback = bool(cfg.early_stop_kl) and not cfg.no_rollback
+        self.sums: dict[str, float] = {}
+        self.steps, self.grad_norm, self.skipped, self.stopped = 0, 0.0, 0, False  # steps kept, their summed norm
+        self.kl_max, self.kl_token_max = 0.0, 0.0  # the largest kl_approx and per-token value measured
+        self.snapshot = None  # parameters and optimizer states before the last step
+        self.last: dict | None = None  # the last step's logged numbers
+        self.first: dict | None = None  # the first finite forward's
+        self.kept = 1.0  # fraction of the crossing step kept by the trust region (1: nothing crossed)
+
+    def loss(self, mb: TensorDictBase) -> TensorDictBase:
+        """The loss terms on minibatch ``mb``, divided by its valid-token count over all ranks."""
+        norm = F.loss_normalizer(mb["mask"], self.loss_module.loss_agg_mode, process_group=self.pg)
+        return self.loss_module(mb, normalizer=norm)
+
+    def _measure(self, out: TensorDictBase, mb: TensorDictBase):
+        """(summed loss, kl_approx, its largest per-token value, some rank's loss is not finite), over all ranks."""
+        total = sum(v for k, v in out.items() if k.startswith("loss_"))
+        n = mb["mask"].sum().to(torch.float32)
+        signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
+        signal = _plumbing.all_reduce(signal, self.pg).tolist()  # host sync: the decisions need numbers
+        tok = _plumbing.all_reduce(out["kl_approx_token_max"].detach().float().clone(), self.pg, dist.ReduceOp.MAX)
+        kl = signal[0] / max(signal[1], 1.0) if self.pg is not None else float(out["kl_approx"])
+        return total, kl, float(tok), signal[2] > 0
+
+    def measure(self, out: TensorDictBase, mb: TensorDictBase):
+        """(summed loss, kl_approx, not finite) of a minibatch's forward; tracks the largest KLs and the first
+        forward's diagnostics (the ones logged when no step is kept)."""
+        total, kl, tok, nonfinite = self._measure(out, mb)
+        self.kl_max, self.kl_token_max = max(self.kl_max, kl), max(self.kl_token_max, tok)
+        if self.first is None and not nonfinite:
+            self.first = _logged(out)
+        return total, kl, nonfinite
+
+    def measure_now(self, on: TensorDictBase) -> tuple[float, float]:
+        """(kl_approx, its largest per-token value) of the current policy on minibatch ``on``, no gradient."""
+        with torch.no_grad():
+            _, kl, tok, _ = self._measure(self.loss(on), on)
+        return kl, tok
+
+    def skip_non_finite_loss(self, out: TensorDictBase, total: torch.Tensor, epoch: int, j: int) -> None:
+        self.skipped += 1
+        if not torch.isfinite(total.detach()):  # the rank(s) whose loss it is say so
+            _plumbing.log_skip(self.rank, self.pg, f"non-finite loss {_loss_terms(out)}", epoch, j)
+
+    def backward(self, total: torch.Tensor, epoch: int, j: int) -> torch.Tensor | None:
+        """Gradients of ``total``, clipped; the actor's pre-clip norm, or ``None`` (gradients dropped, the
+        step skipped) when a pre-clip norm is not finite on some rank."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        total.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.actor_params, self.cfg.max_grad_norm)
+        gn_c = torch.nn.utils.clip_grad_norm_(self.clipped_critic_params, self.cfg.max_grad_norm)
+        bad = _plumbing.all_reduce((~torch.isfinite(torch.stack([gn, gn_c]))).any().float(), self.pg)
+        if float(bad) > 0:  # clipping scaled by a NaN norm: the gradients are garbage, drop them
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self.skipped += 1
+            if self.rank == 0:  # the gradients are all-reduced: the same on every rank
+                why = f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})"
+                _plumbing.log_skip(self.rank, self.pg, why, epoch, j)
+            return None
+        return gn
+
+    def step(self, out: TensorDictBase, grad_norm: torch.Tensor) -> None:
+        """One optimizer step of every optimizer (snapshotted first when it may have to be undone)."""
+        if self.rollback:
+            self.snapshot = _plumbing.snapshot(self.all_params, self.optimizers, reuse=self.snapshot)
+        for opt in self.optimizers:
+            opt.step()
+        self.steps += 1
+        self.last = dict(grad_norm=float(grad_norm), sums=_logged(out))
+        self.grad_norm += self.last["grad_norm"]
+        for k, v in self.last["sums"].items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def stop(self, measured_on: TensorDictBase) -> None:
+        """The trust region is crossed: no more steps, and the last one is pulled back (unless ``no_rollback``)."""
+        self.stopped = True
+        if self.rollback and self.snapshot is not None:
+            self.kept = self.pull_back_last_step(measured_on)
+
+    def check_last_step(self, mb: TensorDictBase) -> None:
+        """Measure the policy after the last step (no later minibatch did) and stop if it is past the limit."""
+        kl_now, kl_tok = self.measure_now(mb)
+        self.kl_max, self.kl_token_max = max(self.kl_max, kl_now), max(self.kl_token_max, kl_tok)
+        if kl_now > self.cfg.early_stop_kl:
+            self.stop(mb)
+
+    def pull_back_last_step(self, measured_on: TensorDictBase) -> float:
+        """The last step crossed the limit: shorten it (1/2, 1/4, 1/8 of it, measured on
+        ``measured_on``) until the policy is back inside, else undo it. Returns the fraction kept."""
+        after = [p.detach().clone() for p in self.all_params]
+        for frac in _BACKTRACK:
+            with torch.no_grad():
+                for p, a, b in zip(self.all_params, self.snapshot[0], after):
+                    p.copy_(torch.lerp(a, b, frac))
+            kl, tok = self.measure_now(measured_on)
+            if kl <= self.cfg.early_stop_kl:
+                self.kl_token_max = max(self.kl_token_max, tok)
+                return frac  # AdamW keeps the moments of the gradient it saw
+        _plumbing.restore(self.snapshot, self.all_params, self.optimizers)  # parameters and AdamW state as before
+        self.steps, self.grad_norm = self.steps - 1, self.grad_norm - self.last["grad_norm"]
+        for k, v in self.last["sums"].items():
+            self.sums[k] -= v
+        return 0.0
+
+    def stats(self, device: torch.device) -> dict[str, float]:
+        """The update's logged numbers: diagnostics averaged over the steps kept, counts, KL maxima."""
+        sums = self.sums
+        if not self.steps and self.first is not None:  # no step kept: the diagnostics of the unchanged policy
+            sums = dict(self.first)
+        keys = sorted(sums)
+        if self.pg is not None and keys:  # the mean of the ranks' diagnostics (every rank took the same steps)
+            world = dist.get_world_size(self.pg)
+            reduced = _plumbing.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device),
+                                           self.pg).tolist()
+            sums = {k: v / world for k, v in zip(keys, reduced)}
+        steps = max(self.steps, 1)
+        stats = {k: v / steps for k, v in sums.items()}
+        stats.update(updates=self.steps, early_stopped=int(self.stopped), rolled_back=int(self.kept < 1.0),
+                     step_fraction=self.kept, skipped_steps=self.skipped, kl_approx_max=self.kl_max,
+                     kl_token_max=self.kl_token_max, grad_norm=self.grad_norm / steps)
+        return stats
 
 
-def _restore(snapshot, params, optimizers) -> None:
-    """Put back what :func:`_snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
-    saved_params, states, _ = snapshot
-    with torch.no_grad():
-        for p, saved in zip(params, saved_params):
-            p.copy_(saved)
-    for opt, saved in zip(optimizers, states):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p in saved:
-                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
-                else:  # the snapshot was taken before this parameter's first step
-                    opt.state.pop(p, None)
+def _logged(out: TensorDictBase) -> dict[str, float]:
+    return {k: float(out[k].detach()) for k in _LOGGED if k in out.keys()}
 
 
 def _loss_terms(out: TensorDictBase) -> dict[str, float]:
     return {k: float(v.detach()) for k, v in out.items() if k.startswith("loss_")}
-
-
-def _log_skip(rank: int, process_group, why: str, epoch: int, minibatch: int) -> None:
-    where = f" on rank {rank}" if process_group is not None else ""
-    print(f"ppo_update: {why}{where} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
-          "(on every rank; counted in skipped_steps)", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- #
-# Checkpoints, metrics, plot (plumbing)
-# --------------------------------------------------------------------------- #
-
-
-def _save_checkpoint(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
-
-
-def _append_metrics(path: Path, row: dict) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=METRICS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow({k: row.get(k, "") for k in METRICS})
-
-
-def _truncate_metrics(path: Path, iteration: int) -> None:
-    """Drop the rows after ``iteration`` (logged after the last checkpoint by a run that then
-    died): the resumed run logs those iterations again. Atomic, like the checkpoint."""
-    if not path.exists():
-        return
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    keep = [r for r in rows if r.get("iteration") and float(r["iteration"]) <= iteration]
-    if len(keep) == len(rows):
-        return
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=METRICS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: r.get(k, "") or "" for k in METRICS} for r in keep)
-    os.replace(tmp, path)
-
-
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    with Path(path).open() as f:
-        return [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
-
-
-def plot_metrics(csv_path: Path, png_path: Path) -> None:
-    """Plot ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.monitor.plot_metrics`)."""
-    _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
 # --------------------------------------------------------------------------- #
@@ -721,7 +670,7 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
     """
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
-    if cfg.shared_trunk and _launched_world_size() > 1:
+    if cfg.shared_trunk and _plumbing.launched_world_size() > 1:
         raise ValueError(
             "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
             "DistributedDataParallel wrappers cannot own the same parameters; drop --shared-trunk for "
@@ -730,140 +679,59 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    d = _init_distributed(cfg.device)
+    d = _plumbing.init_distributed(cfg.device)
     try:
         return _train(cfg, d)
     finally:
         torch.set_num_threads(threads_before)
-        if d.owns_group:
-            # _train has returned, so its DDP wrappers are freed while the group is alive (a DDP
-            # Reducer destroyed at interpreter exit, after the group, can deadlock with gloo)
-            import gc
-
-            gc.collect()
-            dist.barrier()
-            dist.destroy_process_group()
+        _plumbing.close_distributed(d)  # _train has returned: its DDP wrappers are freed while the group is alive
 
 
-def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
-    pg = d.group
-    out = Path(cfg.out)
+def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
+    # --- setup: seeds, task, env, networks (identical on every rank; DDP broadcasts rank 0's anyway)
+    pg, out = d.group, Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-    ckpt_path, csv_path = out / "checkpoint.pt", out / "metrics.csv"
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)  # the warm start's data, then the minibatch permutations
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" and pg is not None else cfg.device)
     rank_seed = cfg.seed + _RANK_SEED_STRIDE * d.rank  # = seed on rank 0 / without torchrun
-
-    # --- task, env, networks (identical on every rank; DDP broadcasts rank 0's anyway) ---
     task = DigitTask(cfg.task, cfg.digits)
     env = _make_env(task, cfg.num_envs, str(device), rank_seed)
     P, M = env.prompt_len, env.max_new_tokens
     lm = TinyCausalLM(TinyLMConfig.preset(cfg.preset, vocab_size=task.vocab_size, block_size=env.seq_len)).to(device)
-    start_it = 0
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False) if cfg.resume and ckpt_path.exists() else None
-    if cfg.resume and ckpt is None and d.main:
-        print(f"--resume: no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
-    if ckpt is not None and ckpt.get("world_size", 1) != d.world:
-        raise ValueError(
-            f"--resume: {ckpt_path} was written by a run with {ckpt.get('world_size', 1)} process(es), this one has "
-            f"{d.world}; resume with the same torchrun --nproc_per_node (each rank restores its own RNG states)"
-        )
+    ckpt = _plumbing.load_checkpoint(out / "checkpoint.pt", d, device) if cfg.resume else None
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, entropy_grad=cfg.entropy_coef > 0)
     # the loss calls the actor and the critic through DDP under torchrun (gradients all-reduced)
-    actor, critic, ddp_wrappers = _wrap_ddp(ac, d, device) if pg is not None else (ac.actor, ac.critic, [])
-    ref = _frozen_reference(ac.actor_model, P)
-
-    # --- TorchRL components ---------------------------------------------------
-    controller = (
-        AdaptiveKLController(cfg.kl_coef, target=cfg.kl_target, horizon=10_000)
-        if cfg.adaptive_kl
-        else FixedKLController(cfg.kl_coef)
-    ).to(device)
-    kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
-    guard = CollapseGuard()  # flags collapsing iterations (ppo_objectives.monitor)
-    # one process: GAE whitens its batch; torchrun: rollout_batch whitens over all ranks' tokens
-    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=pg is None, device=device)
-    loss_module = TokenPPOLoss(
-        actor,
-        critic,
-        clip_epsilon=cfg.clip_epsilon,
-        critic_coeff=cfg.critic_coef,
-        clip_value=cfg.clip_value,
-        kl_coeff=cfg.kl_loss_coef,
-        entropy_coeff=cfg.entropy_coef,
-        entropy_bonus=True,  # the actor writes entropies: log them even without a bonus
-        early_stop_kl=cfg.early_stop_kl,
-        functional=False,
-        device=device,
-    )
-    loss_module.make_value_estimator(gae)
-    actor_opt = torch.optim.AdamW(ac.actor_parameters(), lr=cfg.lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(ac.critic_parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-
-    if ckpt is not None:  # --resume
-        ac.actor_model.load_state_dict(ckpt["actor_model"])
-        ac.critic_model.load_state_dict(ckpt["critic_model"])
-        ac.critic_head.load_state_dict(ckpt["critic_head"])
-        ref.module.model.load_state_dict(ckpt["reference"])
-        actor_opt.load_state_dict(ckpt["actor_opt"])
-        critic_opt.load_state_dict(ckpt["critic_opt"])
-        controller.load_state_dict(ckpt["kl_controller"])
-        if "collapse_guard" in ckpt:
-            guard.load_state_dict(ckpt["collapse_guard"])
-        start_it = int(ckpt["iteration"])
-        if d.main:
-            _truncate_metrics(csv_path, start_it)
-    elif pg is not None:
+    actor, critic, ddp_wrappers = _plumbing.wrap_ddp(ac, d, device) if pg is not None else (ac.actor, ac.critic, [])
+    ref = frozen_reference(ac.actor_model, P)
+    # --- TorchRL modules, optimizers, the collapse guard (ppo_objectives.monitor), the collector; --resume
+    controller, kl_transform, gae, loss_module = _ppo_modules(cfg, actor, critic, ref, device, pg)
+    optimizers = (torch.optim.AdamW(ac.actor_parameters(), lr=cfg.lr, weight_decay=0.0),
+                  torch.optim.AdamW(ac.critic_parameters(), lr=cfg.critic_lr, weight_decay=0.0))
+    guard = CollapseGuard()
+    stateful = _stateful(ac, ref, optimizers, controller, guard)  # what a checkpoint holds, by name
+    start_it = _resume(ckpt, stateful, d, out) if ckpt is not None else 0
+    if ckpt is None and pg is not None:
         torch.manual_seed(rank_seed)  # after the identical build: each rank samples its own responses
-
     collector = make_collector(cfg, task, ac.policy, env, rank=d.rank)
     collector_iter = iter(collector)
     if ckpt is not None:  # RNG states last: building the collector resets the env (draws prompts)
-        rng = ckpt["rank_rng"][d.rank] if "rank_rng" in ckpt else ckpt
-        torch.set_rng_state(rng["torch_rng"])
-        gen.set_state(rng["update_rng"])
-        env._generator.set_state(rng["env_rng"])
-        if rng.get("cuda_rng") is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda_rng"], device)
+        _plumbing.restore_rng_states(ckpt, d.rank, gen, env._generator, device)
 
-    def rng_states():
-        return dict(
-            torch_rng=torch.get_rng_state(), update_rng=gen.get_state(), env_rng=env._generator.get_state(),
-            cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        )  # fmt: skip
-
-    def state(iteration):
-        rank_rng = [rng_states()]
-        if pg is not None:  # a collective: every rank calls state() at the same iterations
-            rank_rng = [None] * d.world
-            dist.all_gather_object(rank_rng, rng_states(), group=pg)
-        return dict(
-            iteration=iteration, config=asdict(cfg), world_size=d.world,
-            actor_model=ac.actor_model.state_dict(), critic_model=ac.critic_model.state_dict(),
-            critic_head=ac.critic_head.state_dict(), reference=ref.module.model.state_dict(),
-            actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
-            kl_controller=controller.state_dict(), collapse_guard=guard.state_dict(), **rank_rng[0],
-            rank_rng=rank_rng,
-        )  # fmt: skip
-
+    # --- the loop: rollout -> update -> log -> checkpoint
     rows: list[dict[str, float]] = []
-    bar = None
-    if not cfg.no_progress and d.main:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True)
+    bar = _progress_bar(cfg, d, start_it)  # rank 0, unless --no-progress
     try:
         for it in range(start_it, cfg.iterations):
             # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
             t0 = time.perf_counter()
             llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M, process_group=pg)
             t1 = time.perf_counter()
-            # 2. PPO epochs x minibatches, approx-KL early stop, non-finite guard
-            stats = ppo_update(llm, loss_module, ac, (actor_opt, critic_opt), cfg, gen, process_group=pg)
+            # 2. PPO epochs x minibatches, approx-KL trust region, non-finite guard
+            stats = ppo_update(llm, loss_module, ac, optimizers, cfg, gen, process_group=pg)
             t2 = time.perf_counter()
             # 3. KL coefficient update (on the all-rank KL: beta stays identical on every rank); the
             #    collector's policy shares the weights (in-process) or receives them (worker processes)
@@ -872,89 +740,87 @@ def _train(cfg: TrainConfig, d: _Dist) -> list[dict[str, float]]:
             n_tok = roll.pop("tokens")
             if cfg.workers > 1:
                 collector.update_policy_weights_()
-            row = dict(
-                iteration=it + 1,
-                **roll,
-                kl_coeff=float(coeff),
-                rollout_s=t1 - t0,
-                update_s=t2 - t1,
-                tokens_per_s=n_tok / max(t1 - t0, 1e-9),
-                **stats,
-            )
-            # 4. the collapse guard: warn_* / collapse columns, a warning line per event
-            warnings_now = guard.update(row)
-            rows.append(row)
-            if d.main:
-                _append_metrics(csv_path, row)
-                for line in warnings_now:
-                    _warn(line, bar)
-            if bar is not None:
-                flagged = "+".join(f for f in FLAGS if row[f"warn_{f}"])  # a collapse is always flagged
-                warn = {"warn": "COLLAPSE" if row["collapse"] else flagged} if flagged else {}
-                bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}",
-                                **warn)
-                bar.update(1)
+            # 4. log: the metrics row, the collapse guard's warn_* / collapse columns and warning lines
+            row = dict(iteration=it + 1, **roll, kl_coeff=float(coeff), rollout_s=t1 - t0, update_s=t2 - t1,
+                       tokens_per_s=n_tok / max(t1 - t0, 1e-9), **stats)
+            rows.append(_log_iteration(row, guard, d, out, bar))
+            # 5. checkpoint (and plot) every --save-every iterations and at the end
             if (it + 1) % cfg.save_every == 0 or it + 1 == cfg.iterations:
-                st = state(it + 1)
-                if d.main:
-                    _save_checkpoint(ckpt_path, st)
-                    if not cfg.no_plot:  # the plot follows the run, not only its end
-                        plot_metrics(csv_path, out / "training.png")
-        _check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+                _checkpoint(it + 1, cfg, d, stateful, _plumbing.rng_states(gen, env._generator, device), out)
+        _plumbing.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
         if pg is not None and d.main:
             print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
-    finally:
+    finally:  # --- teardown
         if bar is not None:
             bar.close()
         collector.shutdown()
         del loss_module, actor, critic
         ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
+    _finish(cfg, d, guard, out)
+    return rows
+
+
+def _stateful(ac: ActorCritic, ref: TensorDictModule, optimizers, controller, guard: CollapseGuard) -> dict:
+    """The objects whose ``state_dict()`` a checkpoint holds, under their names in it (loaded in this order)."""
+    return dict(actor_model=ac.actor_model, critic_model=ac.critic_model, critic_head=ac.critic_head,
+                reference=ref.module.model, actor_opt=optimizers[0], critic_opt=optimizers[1],
+                kl_controller=controller, collapse_guard=guard)
+
+
+def _resume(ckpt: dict, stateful: dict, d: _plumbing.Dist, out: Path) -> int:
+    """``--resume``: every entry of ``stateful`` from ``ckpt``, and ``metrics.csv`` cut back to the
+    checkpoint's iteration (the RNG states come later); returns that iteration."""
+    start_it = _plumbing.restore_state(ckpt, stateful)
+    if d.main:
+        _plumbing.truncate_metrics(out / "metrics.csv", start_it, METRICS)
+    return start_it
+
+
+def _progress_bar(cfg: TrainConfig, d: _plumbing.Dist, start_it: int):
+    if cfg.no_progress or not d.main:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True)
+
+
+def _log_iteration(row: dict, guard: CollapseGuard, d: _plumbing.Dist, out: Path, bar) -> dict:
+    """Add the collapse guard's columns to ``row``; on rank 0 append it to ``metrics.csv`` and print the
+    guard's warnings; show it on the progress bar. Returns ``row``."""
+    warnings_now = guard.update(row)
+    if d.main:
+        _plumbing.append_metrics(out / "metrics.csv", row, METRICS)
+        for line in warnings_now:
+            _plumbing.warn(line, bar)
+    if bar is not None:
+        flagged = "+".join(f for f in FLAGS if row[f"warn_{f}"])  # a collapse is always flagged
+        warn = {"warn": "COLLAPSE" if row["collapse"] else flagged} if flagged else {}
+        bar.set_postfix(reward=f"{row['reward']:.3f}", exact=f"{row['exact']:.2f}", kl=f"{row['kl_ref']:.4f}", **warn)
+        bar.update(1)
+    return row
+
+
+def _checkpoint(iteration: int, cfg: TrainConfig, d: _plumbing.Dist, stateful: dict, rng: dict, out: Path) -> None:
+    """Write ``checkpoint.pt`` (rank 0; a collective under torchrun) and redraw the plot: it follows the run."""
+    state = _plumbing.checkpoint_state(iteration, asdict(cfg), d, stateful, rng)
+    if d.main:
+        _plumbing.save_checkpoint(out / "checkpoint.pt", state)
+        if not cfg.no_plot:
+            plot_metrics(out / "metrics.csv", out / "training.png")
+
+
+def _finish(cfg: TrainConfig, d: _plumbing.Dist, guard: CollapseGuard, out: Path) -> None:
+    """The final plot, and a :class:`TrainingCollapseWarning` (issued from :func:`train`) when the run collapsed."""
+    csv_path = out / "metrics.csv"
     if d.main and not cfg.no_plot and csv_path.exists():
         plot_metrics(csv_path, out / "training.png")
     if d.main and guard.collapses:
-        import warnings
-
         warnings.warn(f"the PPO run in {out} collapsed: {guard.summary()}; see the warn_* and collapse columns "
-                      f"of {csv_path} and {out / 'training.png'}", TrainingCollapseWarning, stacklevel=2)
-    return rows
+                      f"of {csv_path} and {out / 'training.png'}", TrainingCollapseWarning, stacklevel=3)
 
 
 class TrainingCollapseWarning(RuntimeWarning):
     """Raised (as a warning) at the end of a run that went through a collapse (:class:`CollapseGuard`)."""
-
-
-def _warn(line: str, bar) -> None:
-    """A warning line on stderr that does not break the progress bar."""
-    text = f"WARNING ppo: {line}"
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr, flush=True)
-
-
-def _rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
-    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun)."""
-    score, B = llm["score"], llm.batch_size[0]
-    n_tok = llm["mask"].sum()
-    if pg is None:
-        return dict(
-            reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
-            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(kl_transform.last_kl),
-            seq_kl=float(kl_transform.last_seq_kl), seq_kl_t=kl_transform.last_seq_kl, tokens=int(n_tok),
-        )  # fmt: skip
-    v = torch.stack([
-        score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
-        kl_transform.last_kl.to(score.device), kl_transform.last_seq_kl.to(score.device) * B,
-    ]).to(torch.float64)  # fmt: skip
-    total = _all_reduce(v, pg).tolist()
-    episodes = max(total[3], 1.0)
-    seq_kl = total[5] / episodes
-    return dict(
-        reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
-        episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
-        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=kl_transform.last_seq_kl.device),
-        tokens=int(total[2]),
-    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
