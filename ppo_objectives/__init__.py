@@ -60,6 +60,7 @@ __all__ = [
     "bootstrap_from_next_turn",
     "clipped_value_loss",
     "explained_variance",
+    "frozen_reference",
     "kl_estimate",
     "kl_penalized_rewards",
     "last_valid_index",
@@ -80,6 +81,19 @@ __all__ = [
     "sample_with_kv_cache",
     "trajectories_to_llm_batch",
     "value_checks",
+    "warm_start",
 ]
 
 __version__ = "0.1.0"
+
+# The training job's pieces, imported on first use: importing ppo_objectives.train here would make
+# ``python -m ppo_objectives.train`` run a second copy of a module already imported (runpy warns).
+_FROM_TRAIN = ("frozen_reference", "warm_start")
+
+
+def __getattr__(name: str):
+    if name in _FROM_TRAIN:
+        from ppo_objectives import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

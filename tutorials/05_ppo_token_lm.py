@@ -19,9 +19,9 @@ import os
 import time
 
 import torch
-from tensordict.nn import TensorDictModule
 from torchrl.collectors import Collector  # TorchRL 0.14's name for SyncDataCollector
 
+from ppo_objectives import frozen_reference
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.models import ResponseLogProbs, TinyCausalLM, TinyLMConfig, make_actor_critic
@@ -83,8 +83,8 @@ print(f"warm start: response NLL {loss.item():.3f} (log 10 = {math.log(10):.3f} 
 # actor:  one full forward over prompt + response -> log_prob, entropy [B, R]
 # critic: its own copy of the trunk + a value head -> state_value [B, R]
 ac = make_actor_critic(lm, prompt_len=P, entropy_grad=False)  # entropy: logged, no bonus
-ref_lm = copy.deepcopy(lm).requires_grad_(False)  # frozen reference = the warm-started model
-ref = TensorDictModule(ResponseLogProbs(ref_lm, P, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"])
+# reference: a frozen copy of the warm-started model -> ref log_prob [B, R] (as the training job builds it)
+ref = frozen_reference(ac.actor_model, P)
 
 # ---------------------------------------------------------------- 5. TorchRL pieces
 collector = Collector(
