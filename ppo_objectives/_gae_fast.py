@@ -169,38 +169,99 @@ def _matmul_needs_float64(x: Tensor) -> bool:
     return _cuda_matmul_reduced() if x.is_cuda else _cpu_matmul_reduced()
 
 
-def discounted_reverse_cumsum(x: Tensor, g, block: int = _BLOCK) -> Tensor:
-    """``out[:, k] = sum_{j >= k} g**(j - k) * x[:, j]`` for ``x`` of shape ``[N, L]``.
+def discounted_reverse_cumsum(x: Tensor, g, block: int = _BLOCK, stop: Tensor | None = None) -> Tensor:
+    """``out[:, k] = x[:, k] + g * out[:, k + 1]`` (0 past the end) for ``x`` of shape ``[N, L]``.
+
+    Without ``stop`` that is ``sum_{j >= k} g**(j - k) * x[:, j]``. With ``stop`` (bool
+    ``[N, L]``) the sum restarts after every stop: ``out[:, k] = x[:, k]`` plus
+    ``g * out[:, k + 1]`` only where ``stop[:, k]`` is False, i.e. each sum ends at the
+    first stop at or after ``k`` (the end of a trajectory in a collector row).
 
     Blocked two-level matrix product (recursive beyond ``block**2`` columns); non-negative
     powers of ``g`` only. ``g`` is a float or a 0-d tensor, ``0 <= g`` (``g <= 1`` keeps every
-    power <= 1).
+    power <= 1). Inside a block the stopped sum is the plain one minus the discounted sum
+    after the stop, ``S_k - g**(s + 1 - k) * S_{s + 1}`` (both at most ``C`` terms, so no
+    long-range cancellation); across blocks a block holding a stop passes nothing on.
 
     >>> discounted_reverse_cumsum(torch.tensor([[1.0, 2.0, 4.0]]), 0.5)  # 1+1+1, 2+2, 4
     tensor([[3., 4., 4.]])
+    >>> discounted_reverse_cumsum(torch.tensor([[1.0, 2.0, 4.0]]), 0.5, stop=torch.tensor([[False, True, False]]))
+    tensor([[2., 2., 4.]])
     """
     n, length = x.shape
     c = min(block, length)
     nb = -(-length // c)
     if nb * c != length:
         x = F.pad(x, (0, nb * c - length))
-    dev = x.device
-    ar = torch.arange(c, device=dev, dtype=torch.float64)
-    diff = ar[None, :] - ar[:, None]  # [C, C]: j - i
-    upper = diff >= 0
-    # decay[i, j] = g^(j - i) for j >= i: local[:, b, i] = sum_j decay[i, j] x[:, b, j]
-    decay = torch.where(upper, _powers(g, diff.clamp(min=0.0)), 0.0)
+        stop = None if stop is None else F.pad(stop, (0, nb * c - length))
     work_dtype = torch.float64 if _matmul_needs_float64(x) else x.dtype
+    decay_t, tail, cut_table = _decay_tables(g, c, work_dtype, x.device)
     xb = x.reshape(n, nb, c).to(work_dtype)
-    local = torch.matmul(xb, decay.t().to(work_dtype))  # [N, nb, C]
+    local = torch.matmul(xb, decay_t)  # [N, nb, C]
+    if stop is not None:
+        return _stopped_blocks(local, stop.reshape(n, nb, c), g, block, cut_table)[:, :length].to(x.dtype)
     if nb > 1:
         g_block = g ** c  # decay from one block start to the next
         heads = local[:, :, 0]  # [N, nb]: each block discounted to its first slot
         starts = discounted_reverse_cumsum(heads, g_block, block)  # A at each block start
         after = F.pad(starts[:, 1:], (0, 1))  # A at the start of the following block
-        tail = _powers(g, c - ar).to(work_dtype)  # g^(C - i): slot i to the next block start
         local = torch.addcmul(local, after.unsqueeze(-1), tail)
     return local.reshape(n, nb * c)[:, :length].to(x.dtype)
+
+
+def _stopped_blocks(local: Tensor, stop: Tensor, g, block: int, cut_table: Tensor) -> Tensor:
+    """The stopped sums ``[N, nb * C]`` from the plain in-block sums ``local`` ``[N, nb, C]``.
+
+    With ``s`` the first stop at or after slot ``k`` of its block (a reverse running minimum)::
+
+        out_k = S_k - g^(s+1-k) * S_{s+1}          (a stop ahead; S_C = 0)
+        out_k = S_k + g^(C-k)   * H_next           (no stop ahead: the next block's carry)
+
+    one gather and one table look-up for both cases: a slot with no stop ahead gets the
+    sentinel ``s = 2C + 1``, which indexes the carry column ``C + 1`` of ``[S | 0 | H_next]``
+    and the ``+g^(C-k)`` half of ``cut_table`` (``-g^j`` at ``j <= C + 1``,
+    ``g^(j-C-2)`` above). The carries ``H`` are the stopped sums of the block heads, one
+    level up (a block holding a stop passes nothing on).
+    """
+    n, nb, c = local.shape
+    ar = torch.arange(c, device=local.device, dtype=torch.int32)
+    s = torch.where(stop, ar, 2 * c + 1).flip(-1).cummin(-1).values.flip(-1)
+    column = (s + 1).clamp(max=c + 1).long()  # S_{s+1}, the zero column C, or the carry column C + 1
+    factor = cut_table.index_select(0, (s + 1 - ar).reshape(-1)).view(s.shape)
+    padded = F.pad(local, (0, 2))
+    if nb > 1:
+        heads = torch.addcmul(local[:, :, 0], factor[:, :, 0], padded.gather(-1, column[:, :, :1]).squeeze(-1))
+        starts = discounted_reverse_cumsum(heads, g**c, block, s[:, :, 0] < c)  # H at each block start
+        padded[:, :, c + 1] = F.pad(starts[:, 1:], (0, 1))  # the carry into each block
+    return torch.addcmul(local, factor, padded.gather(-1, column)).reshape(n, nb * c)
+
+
+_TABLES: dict = {}  # (g, C, dtype, device) -> tables, for Python-float decays only
+
+
+def _decay_tables(g, c: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The constant tables of one block length: ``decay.T [C, C]`` with ``decay[i, j] = g^(j-i)``
+    for ``j >= i`` (else 0), ``tail [C] = g^(C-i)`` (slot ``i`` to the next block start) and
+    the ``[2C + 3]`` look-up table of :func:`_stopped_blocks`; computed in float64, then
+    cast. Cached for Python-float ``g`` outside ``torch.compile`` (a 0-d tensor ``g`` is
+    never read on the host)."""
+    key = None
+    if isinstance(g, (int, float)) and not torch.compiler.is_compiling():
+        key = (float(g), c, dtype, device)
+        if key in _TABLES:
+            return _TABLES[key]
+    ar = torch.arange(c, device=device, dtype=torch.float64)
+    diff = ar[None, :] - ar[:, None]  # [C, C]: j - i
+    decay = torch.where(diff >= 0, _powers(g, diff.clamp(min=0.0)), 0.0)
+    tail = _powers(g, c - ar)
+    j = torch.arange(2 * c + 3, device=device, dtype=torch.float64)
+    cut_table = torch.where(j <= c + 1, -_powers(g, j.clamp(max=c + 1)), _powers(g, (j - c - 2).clamp(min=0.0)))
+    tables = (decay.t().to(dtype), tail.to(dtype), cut_table.to(dtype))
+    if key is not None:
+        if len(_TABLES) >= 64:
+            _TABLES.clear()
+        _TABLES[key] = tables
+    return tables
 
 
 def gae_advantages_torch(
@@ -210,10 +271,13 @@ def gae_advantages_torch(
     gamma,
     lam,
     bootstrap_value: Tensor | None,
+    ends: Tensor | None = None,
+    end_values: Tensor | None = None,
 ) -> Tensor:
     """Raw masked GAE advantages ``[N, R]`` by compaction + blocked discounted cumsum.
 
-    See the module docstring for the algorithm; host-sync free and shape-static.
+    See the module docstring for the algorithm (and for ``ends`` / ``end_values``, the
+    trajectory ends of collector rows); host-sync free and shape-static.
 
     >>> r = torch.tensor([[1.0, 0.0, 2.0]])
     >>> v = torch.zeros(1, 3)
@@ -221,6 +285,7 @@ def gae_advantages_torch(
     >>> gae_advantages_torch(r, v, m, 0.5, 1.0, None)  # A_0 = 1 + 0.5 * 2 (slot 1 skipped)
     tensor([[2., 0., 2.]])
     """
+    _exclusive_ends(bootstrap_value, ends, end_values)
     n, r = rewards.shape
     dtype = rewards.dtype
     c = min(_BLOCK, r)
@@ -240,14 +305,33 @@ def gae_advantages_torch(
     # valid slot sees V_next = 0
     own = packed_r[:, 1 : length + 1] - packed_v[:, 1 : length + 1]
     next_v = packed_v[:, 2 : length + 2]
+    stop = None
+    if ends is not None:  # a trajectory end sees its own end value instead of the next slot's value
+        stop = torch.zeros(n, length + 3, dtype=torch.bool, device=mask.device).scatter_(1, idx, ends)
+        stop.scatter_(1, slot[:, -1:], True)  # the last valid slot ends its trajectory (column 0 if none)
+        stop = stop[:, 1 : length + 1]
+        packed_e = values.new_zeros(n, length + 3).scatter_(1, idx, end_values.to(dtype))
+        next_v = torch.where(stop, packed_e[:, 1 : length + 1], next_v)
     if isinstance(gamma, Tensor):
         delta = torch.addcmul(own, next_v, gamma.to(dtype))
     else:
         delta = torch.add(own, next_v, alpha=gamma)
-    adv_packed = discounted_reverse_cumsum(delta, gamma * lam)  # [N, L], slot k at column k - 1
+    adv_packed = discounted_reverse_cumsum(delta, gamma * lam, stop=stop)  # [N, L], slot k at column k - 1
     # back to the layout of idx (zero columns at 0, L + 1 and the dump L + 2), then unpack:
     # masked tokens read 0 from the dump column
     return F.pad(adv_packed, (1, 2)).gather(1, idx)
+
+
+def _exclusive_ends(bootstrap_value, ends, end_values) -> None:
+    # with ends, the last valid step of each row is an end too (the batch boundary), and its
+    # bootstrap is its end value: a separate bootstrap_value would be counted twice
+    if (ends is None) != (end_values is None):
+        raise ValueError("ends and end_values go together: give both (collector rows) or neither")
+    if ends is not None and bootstrap_value is not None:
+        raise ValueError(
+            "bootstrap_value and ends are exclusive: with ends, mark each row's last valid step as an end "
+            "and put its bootstrap value in end_values"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,6 +346,8 @@ def gae_advantages_triton(
     gamma,
     lam,
     bootstrap_value: Tensor | None,
+    ends: Tensor | None = None,
+    end_values: Tensor | None = None,
 ) -> Tensor:
     """Raw masked GAE advantages ``[N, R]`` from the Triton reverse-scan kernel (CUDA).
 
@@ -269,10 +355,11 @@ def gae_advantages_triton(
     needs gradients through rewards / values / bootstrap this falls back to the torch path.
     """
     select_backend(rewards.device, "triton")  # clear error without CUDA / Triton
-    inputs = (rewards, values, bootstrap_value, gamma, lam)
+    _exclusive_ends(bootstrap_value, ends, end_values)
+    inputs = (rewards, values, bootstrap_value, end_values, gamma, lam)
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     if needs_grad:
-        return gae_advantages_torch(rewards, values, mask, gamma, lam, bootstrap_value)
+        return gae_advantages_torch(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)
     from ppo_objectives._triton_gae import masked_gae_triton
 
-    return masked_gae_triton(rewards, values, mask, gamma, lam, bootstrap_value)
+    return masked_gae_triton(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)

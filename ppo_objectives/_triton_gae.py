@@ -15,6 +15,12 @@ there is none)::
     C_j = m_j ? g * C_{j+1} + (gamma * V_j + g * (r_j - V_j)) : C_{j+1},   C_R = gamma * bootstrap
     A_k = m_k ? r_k - V_k + C_{k+1} : 0
 
+Collector rows add trajectory ends (``e_j``, with end values ``E_j``: 0 for a termination,
+the next value for a truncation): an end sees ``gamma * E_j`` instead of the carry, so::
+
+    X_k = e_k ? gamma * E_k : C_{k+1},    A_k = m_k ? r_k - V_k + X_k : 0
+    C_j = m_j ? (e_j ? 0 : g) * C_{j+1} + (gamma * V_j + g * (r_j - V_j) + (e_j ? g * gamma * E_j : 0)) : C_{j+1}
+
 ``C`` is a first-order linear recurrence ``C_j = a_j * C_{j+1} + b_j`` (``a = g`` or 1,
 ``b`` as above or 0), i.e. an associative scan over pairs ``(b, a)``. Each program walks its row
 from the right in chunks of ``BLOCK`` tokens: it loads the chunk's inputs at ``j = k + 1``
@@ -44,12 +50,15 @@ def _masked_gae_rows_kernel(
     v_ptr,
     m_ptr,
     boot_ptr,
+    e_ptr,
+    ev_ptr,
     gl_ptr,
     out_ptr,
     gamma_arg,
     lam_arg,
     R,
     HAS_BOOT: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
     GL_FROM_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -78,13 +87,24 @@ def _masked_gae_rows_kernel(
         m_j = tl.load(m_ptr + base + j, mask=in_j, other=0) != 0
         r_j = tl.load(r_ptr + base + j, mask=m_j, other=0.0).to(acc_ty)
         v_j = tl.load(v_ptr + base + j, mask=m_j, other=0.0).to(acc_ty)
-        a = tl.where(m_j, g, 1.0).to(acc_ty)
-        b = tl.where(m_j, gamma * v_j + g * (r_j - v_j), 0.0).to(acc_ty)
+        own_j = gamma * v_j + g * (r_j - v_j)
+        if HAS_ENDS:
+            e_j = (tl.load(e_ptr + base + j, mask=m_j, other=0) != 0) & m_j
+            ev_j = tl.load(ev_ptr + base + j, mask=e_j, other=0.0).to(acc_ty)
+            a = tl.where(m_j, tl.where(e_j, 0.0, g), 1.0).to(acc_ty)
+            b = tl.where(m_j, own_j + tl.where(e_j, g * gamma * ev_j, 0.0), 0.0).to(acc_ty)
+        else:
+            a = tl.where(m_j, g, 1.0).to(acc_ty)
+            b = tl.where(m_j, own_j, 0.0).to(acc_ty)
         b_scan, a_scan = tl.associative_scan((b, a), 0, _linear_combine)
         c_next = b_scan + a_scan * carry  # C_{k+1}
         m_k = tl.load(m_ptr + base + k, mask=in_k, other=0) != 0
         r_k = tl.load(r_ptr + base + k, mask=m_k, other=0.0).to(acc_ty)
         v_k = tl.load(v_ptr + base + k, mask=m_k, other=0.0).to(acc_ty)
+        if HAS_ENDS:
+            e_k = (tl.load(e_ptr + base + k, mask=m_k, other=0) != 0) & m_k
+            ev_k = tl.load(ev_ptr + base + k, mask=e_k, other=0.0).to(acc_ty)
+            c_next = tl.where(e_k, gamma * ev_k, c_next)  # X_k
         adv = tl.where(m_k, r_k - v_k + c_next, 0.0)
         tl.store(out_ptr + base + k, adv.to(out_ptr.dtype.element_ty), mask=in_k)
         # the chunk to the left needs C_{start + 1}: the last element in scan order
@@ -105,6 +125,8 @@ def masked_gae_triton(
     gamma,
     lam,
     bootstrap_value: Tensor | None,
+    ends: Tensor | None = None,
+    end_values: Tensor | None = None,
 ) -> Tensor:
     """Raw masked GAE advantages ``[N, R]`` (contract of ``_gae_fast.gae_advantages_torch``).
 
@@ -131,6 +153,14 @@ def masked_gae_triton(
     else:
         gl = rewards  # unused pointer
         gamma_arg, lam_arg = float(gamma), float(lam)
+    e, ev = mask, rewards  # unused pointers without ends
+    if ends is not None:
+        e = ends.contiguous().view(torch.uint8) if ends.dtype == torch.bool else ends.contiguous()
+        ev = end_values.to(rewards.dtype).contiguous()
+        # the last valid step ends its row's trajectory: the scan starts from its end value
+        positions = torch.arange(r, device=rewards.device)
+        last = torch.where(mask != 0, positions, -1).amax(-1, keepdim=True)
+        bootstrap_value = torch.where(last >= 0, ev.gather(1, last.clamp(min=0)), 0.0).squeeze(-1)
     boot = rewards if bootstrap_value is None else bootstrap_value.to(rewards.dtype).contiguous()
     block, warps = _launch_config(r)
     _masked_gae_rows_kernel[(n,)](
@@ -138,12 +168,15 @@ def masked_gae_triton(
         values,
         mask,
         boot,
+        e,
+        ev,
         gl,
         out,
         gamma_arg,
         lam_arg,
         r,
         HAS_BOOT=bootstrap_value is not None,
+        HAS_ENDS=ends is not None,
         GL_FROM_PTR=gl_from_ptr,
         BLOCK=block,
         num_warps=warps,

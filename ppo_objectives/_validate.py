@@ -95,27 +95,36 @@ def check_token_tensors(mask: object, **tensors: object) -> Tensor | None:
     return None if mask is None else check_mask(mask, ref.shape, ref_name)
 
 
-def check_mask(mask: object, shape: torch.Size, ref_name: str) -> Tensor:
-    """Validate ``mask`` and return it as a bool tensor."""
-    mask = check_tensor("mask", mask)
+def check_mask(mask: object, shape: torch.Size, ref_name: str, *, name: str = "mask") -> Tensor:
+    """Validate a mask (or a done flag: ``name=``) and return it as a bool tensor."""
+    what = "True = token takes part" if name == "mask" else "True = the trajectory ends at this step"
+    mask = check_tensor(name, mask)
     if mask.shape != shape:
         raise ValueError(
-            f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(shape)}; "
-            f"the mask must have exactly the shape of the per-token tensors (no broadcasting)"
+            f"{name} has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(shape)}; "
+            f"the {name} must have exactly the shape of the per-token tensors (no broadcasting)"
         )
     if mask.dtype == torch.bool:
         return mask
     if mask.is_complex():
-        raise TypeError(f"mask must be bool or real with values in {{0, 1}}, got dtype {mask.dtype}")
-    if checking_values() and mask.numel() > 0:
-        binary = ((mask == 0) | (mask == 1)).all()
-        if not bool(binary):
-            bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
-            raise ValueError(
-                f"mask must hold only 0 and 1 (True = token takes part), found values such as {bad}; "
-                f"pass a bool mask, e.g. mask > 0.5"
-            )
-    return mask != 0
+        raise TypeError(f"{name} must be bool or real with values in {{0, 1}}, got dtype {mask.dtype}")
+    out = mask != 0
+    if checking_values() and mask.numel() > 0 and not _binary(mask, out):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+        raise ValueError(
+            f"{name} must hold only 0 and 1 ({what}), found values such as {bad}; "
+            f"pass a bool {name}, e.g. {name} > 0.5"
+        )
+    return out
+
+
+def _binary(mask: Tensor, nonzero: Tensor) -> bool:
+    """Whether a real ``mask`` holds only 0 and 1, in one host read: its range is within [0, 1]
+    (NaN fails) and its exact sum equals its count of non-zeros (so every non-zero is 1)."""
+    lo, hi = torch.aminmax(mask)
+    total = mask.sum(dtype=torch.float64) if mask.is_floating_point() else mask.sum()
+    lo, hi, total, count = torch.stack([lo.double(), hi.double(), total.double(), nonzero.sum().double()]).tolist()
+    return 0 <= lo and hi <= 1 and total == count
 
 
 def check_unit_interval(name: str, x: object) -> None:

@@ -200,18 +200,24 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
+    return _masked_moments(x, m, unbiased, process_group)[1]
+
+
+def _masked_moments(x: Tensor, m: Tensor, unbiased: bool, process_group) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, var, x - mean)`` over the valid positions of validated ``x`` / bool ``m``
+    (the centred values are 0 at masked positions): three passes over the data."""
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     total, n = torch.where(m, x, zero).sum(), m.sum().to(x.dtype)
     if process_group is not None:
         both = _all_reduce_sum(torch.stack([total.detach(), n]), process_group)
         total, n = total + (both[0] - total.detach()), both[1]
     mean = total / n.clamp(min=1)
-    sq = torch.where(m, (x - mean) ** 2, zero).sum()
+    centred = torch.where(m, x - mean, zero)
+    sq = (centred * centred).sum()
     if process_group is not None:
         sq = sq + (_all_reduce_sum(sq, process_group) - sq.detach())
-    if unbiased:
-        return sq / (n - 1).clamp(min=1)
-    return sq / n.clamp(min=1)
+    var = sq / (n - 1).clamp(min=1) if unbiased else sq / n.clamp(min=1)
+    return mean, var, centred
 
 
 def masked_whiten(
@@ -253,13 +259,11 @@ def masked_whiten(
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_positive("eps", eps)
     cd = _validate.compute_dtype(x)
-    xf = x.to(cd)
-    mean = masked_mean(xf, m, process_group=process_group)
-    var = masked_var(xf, m, unbiased=unbiased, process_group=process_group)
-    out = (xf - mean) * torch.rsqrt(var + eps)
+    mean, var, centred = _masked_moments(x.to(cd), m, unbiased, process_group)
+    out = centred * torch.rsqrt(var + eps)  # 0 at masked positions
     if not shift_mean:
-        out = out + mean
-    return torch.where(m, out, torch.zeros((), dtype=cd, device=x.device)).to(x.dtype)
+        out = torch.where(m, out + mean, torch.zeros((), dtype=cd, device=x.device))
+    return out.to(x.dtype)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
@@ -459,18 +463,30 @@ def resolve_done_flags(done, terminated, truncated):
     return done, terminated, truncated
 
 
-def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
-    """Validate the GAE arguments; return flat ``[N, R]`` compute-dtype tensors."""
+def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=None, terminated=None, next_values=None):
+    """Validate the GAE arguments; return flat ``[N, R]`` compute-dtype tensors.
+
+    With trajectory ends (``done`` / ``terminated`` / ``next_values``) the row bootstrap is
+    folded into ``(ends, end_values)`` (:func:`_segment_ends`) and returned as ``None``.
+    """
     _validate.check_float("token_rewards", token_rewards)
     _validate.check_float("values", values)
     _validate.check_same_shape("token_rewards", token_rewards, values=values)
     if token_rewards.dim() < 1:
         raise ValueError("token_rewards must have a time axis: shape [*B, R], got a scalar")
-    m = _validate.check_mask(mask, token_rewards.shape, "token_rewards")
+    shape = token_rewards.shape
+    m = _validate.check_mask(mask, shape, "token_rewards")
+    flags = {
+        name: None if x is None else _validate.check_mask(x, shape, "token_rewards", name=name)
+        for name, x in (("done", done), ("terminated", terminated))
+    }
     _validate.check_unit_interval("gamma", gamma)
     _validate.check_unit_interval("lam", lam)
-    _validate.check_same_device(token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value)
-    batch_shape = token_rewards.shape[:-1]
+    _validate.check_same_device(
+        token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value,
+        done=done, terminated=terminated, next_values=next_values,
+    )  # fmt: skip
+    batch_shape = shape[:-1]
     if bootstrap_value is not None:
         _validate.check_float("bootstrap_value", bootstrap_value)
         if bootstrap_value.shape != batch_shape:
@@ -478,7 +494,16 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
                 f"bootstrap_value has shape {tuple(bootstrap_value.shape)} but must be [*B] = {tuple(batch_shape)}: "
                 f"one value per row, used after that row's last valid token (pass 0 for rows that terminated)"
             )
-    cd = _validate.compute_dtype(token_rewards, values, *(() if bootstrap_value is None else (bootstrap_value,)))
+    if next_values is not None:
+        _validate.check_float("next_values", next_values)
+        _validate.check_same_shape("token_rewards", token_rewards, next_values=next_values)
+        if bootstrap_value is not None:
+            raise ValueError(
+                "bootstrap_value and next_values are exclusive: next_values already holds the value after "
+                "every step, the last valid one included; drop bootstrap_value"
+            )
+    extra = tuple(x for x in (bootstrap_value, next_values) if x is not None)
+    cd = _validate.compute_dtype(token_rewards, values, *extra)
     r = _rows(token_rewards.to(cd))
     v = _rows(values.to(cd))
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
@@ -486,7 +511,37 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value):
         gamma = gamma.to(cd).reshape(())
     if isinstance(lam, Tensor):
         lam = lam.to(cd).reshape(())
-    return r, v, _rows(m), gamma, lam, boot, cd
+    m = _rows(m)
+    ends = end_values = None
+    if flags["done"] is not None or flags["terminated"] is not None or next_values is not None:
+        rows = lambda x: None if x is None else _rows(x)  # noqa: E731
+        nv = None if next_values is None else _rows(next_values.to(cd))
+        ends, end_values = _segment_ends(m, rows(flags["done"]), rows(flags["terminated"]), nv, boot)
+        boot = None
+    return r, v, m, gamma, lam, boot, ends, end_values, cd
+
+
+def _segment_ends(m, done, terminated, next_values, boot) -> tuple[Tensor, Tensor]:
+    """Trajectory ends of collector rows and the value each end bootstraps from (``[N, R]``).
+
+    An end is a valid step with ``done`` (``terminated`` when ``done`` is not given); the
+    kernels also end each row's trajectory at its last valid step (the batch boundary). The
+    end value is 0 when ``terminated`` (by default: when ``done``), else ``next_values``
+    there. Without ``next_values`` every ``done`` step bootstraps 0 and the last valid step
+    (when not done) takes ``bootstrap_value`` (0 if ``None``).
+    """
+    ended = done if done is not None else terminated
+    if ended is None:
+        ended = torch.zeros_like(m)
+    zero = torch.zeros((), dtype=torch.float32 if next_values is None else next_values.dtype, device=m.device)
+    if next_values is not None:
+        term = terminated if terminated is not None else ended
+        end_values = torch.where(term, zero, next_values)
+    else:
+        term = ended if terminated is None else ended | terminated
+        row = zero.expand(m.shape) if boot is None else boot.unsqueeze(-1).expand(m.shape)
+        end_values = torch.where(term, zero.to(row.dtype), row)
+    return ended & m, end_values
 
 
 def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
@@ -506,6 +561,9 @@ def masked_gae_reference(
     *,
     normalize: bool = True,
     bootstrap_value: Tensor | None = None,
+    done: Tensor | None = None,
+    terminated: Tensor | None = None,
+    next_values: Tensor | None = None,
     process_group=None,
 ) -> tuple[Tensor, Tensor]:
     """The readable loop version of :func:`masked_gae` (same semantics, same outputs).
@@ -516,9 +574,14 @@ def masked_gae_reference(
         next_v, next_a = bootstrap (or 0), 0
         for t = R-1 .. 0:
             if mask[t]:
+                if end[t]:                      # trajectory ends here (collector rows)
+                    next_v, next_a = end_value[t], 0
                 delta  = r[t] + gamma * next_v - v[t]
                 A[t]   = delta + gamma * lam * next_a
                 next_v, next_a = v[t], A[t]
+
+    ``end`` and ``end_value`` come from ``done`` / ``terminated`` / ``next_values`` as
+    :func:`masked_gae` describes; without them no step is an end.
 
     Example:
         >>> import torch
@@ -529,19 +592,27 @@ def masked_gae_reference(
         tensor([[0.2500, 0.5000, 1.0000]])
     """
     out_dtype = values.dtype if isinstance(values, Tensor) else None
-    r, v, m, gamma, lam, boot, _ = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
-    adv = _gae_loop(r, v, m, gamma, lam, boot)
+    r, v, m, gamma, lam, boot, ends, end_values, _ = _gae_inputs(
+        token_rewards, values, mask, gamma, lam, bootstrap_value, done, terminated, next_values
+    )
+    adv = _gae_loop(r, v, m, gamma, lam, boot, ends, end_values)
     return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 
-def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None) -> Tensor:
+def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None, ends=None, end_values=None) -> Tensor:
     """Raw advantages ``[N, R]`` of validated rows: the backward loop over valid tokens."""
     N, R = r.shape
     next_v = r.new_zeros(N) if boot is None else boot
     next_a = r.new_zeros(N)
     adv = torch.zeros_like(r)
+    seen = torch.zeros(N, dtype=torch.bool, device=r.device)  # a valid step lies to the right
     for t in range(R - 1, -1, -1):
         valid = m[:, t]
+        if ends is not None:  # the last valid step of a row ends its trajectory too
+            end = ends[:, t] | ~seen
+            next_v = torch.where(end, end_values[:, t].to(r.dtype), next_v)
+            next_a = torch.where(end, 0.0, next_a)
+            seen = seen | valid
         delta = r[:, t] + gamma * next_v - v[:, t]
         a = delta + gamma * lam * next_a
         adv[:, t] = torch.where(valid, a, 0.0)
@@ -559,6 +630,9 @@ def masked_gae(
     *,
     normalize: bool = True,
     bootstrap_value: Tensor | None = None,
+    done: Tensor | None = None,
+    terminated: Tensor | None = None,
+    next_values: Tensor | None = None,
     backend: str = "auto",
     process_group=None,
 ) -> tuple[Tensor, Tensor]:
@@ -582,6 +656,21 @@ def masked_gae(
     Outputs are exactly 0 at masked positions. With right padding and zero
     rewards and values at padding this is MiniMind's loop exactly.
 
+    **Rows holding several trajectories** (TorchRL's collector layout ``[N, T]``)
+    pass ``done`` and/or ``terminated`` (and ``next_values``). A valid step with
+    ``done`` ends its trajectory (``terminated`` stands for ``done`` when ``done``
+    is not given), and so does the last valid step of the row (the batch boundary
+    cut it). At an end nothing is carried from the right (zero decay) and the
+    next value is a bootstrap: 0 when the step is ``terminated`` (``terminated``
+    defaults to ``done``; complete a TorchRL triple with
+    :func:`resolve_done_flags`), else ``next_values`` at that step (TorchRL's
+    ``("next", "state_value")``: truncated trajectories and the boundary cut).
+    Without ``next_values`` every end bootstraps 0, except the last valid step,
+    which takes ``bootstrap_value`` if given. On unmasked data with consistent
+    flags (terminated implies done) this equals
+    :class:`torchrl.objectives.value.GAE`. Flags and next values are read at
+    valid trajectory ends only, never at masked steps.
+
     Args:
         token_rewards: ``[*B, R]`` per-token rewards.
         values: ``[*B, R]`` critic values ``V_t``.
@@ -591,8 +680,15 @@ def masked_gae(
         normalize: whiten the advantages (returns always use the raw ones).
         bootstrap_value: ``[*B]`` value after the last valid token of each
             row (0 for rows that terminated); ``None`` means all terminated.
+            Exclusive with ``next_values``.
+        done: ``[*B, R]`` bool or {0, 1}: the trajectory ends after this step.
+        terminated: ``[*B, R]`` bool or {0, 1}: it ends in a terminal state
+            (bootstrap 0). A ``done`` step that is not ``terminated`` is truncated.
+        next_values: ``[*B, R]`` value of the state after each step, read only at
+            trajectory ends that are not terminated.
         backend: ``"auto"`` (fastest available), ``"torch"`` (vectorised),
             ``"triton"`` (CUDA kernel) or ``"loop"`` (:func:`masked_gae_reference`).
+            Every backend takes both layouts.
         process_group: a ``torch.distributed`` group: whiten over the valid
             tokens of every rank (data-parallel training gives the numbers of
             one process holding the whole batch).
@@ -610,17 +706,29 @@ def masked_gae(
         tensor([[0.5000, 0.5000, 0.5000, 0.0000]])
         >>> ret
         tensor([[1., 1., 1., 0.]])
+
+        Two trajectories in one row: the first terminates after step 1, the second is
+        cut by the row's end and bootstraps from its next value 2:
+
+        >>> r = torch.ones(1, 4)
+        >>> done = torch.tensor([[False, True, False, False]])
+        >>> nv = torch.tensor([[0.0, 0.0, 0.0, 2.0]])
+        >>> masked_gae(r, torch.zeros(1, 4), torch.ones(1, 4), 1.0, 1.0, normalize=False,
+        ...            done=done, next_values=nv)[0]
+        tensor([[2., 1., 4., 3.]])
     """
     if not isinstance(backend, str) or backend not in _gae_fast.BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {_gae_fast.BACKENDS}")
     out_dtype = values.dtype if isinstance(values, Tensor) else None
-    r, v, m, gamma_, lam_, boot, _ = _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value)
+    r, v, m, gamma_, lam_, boot, ends, end_values, _ = _gae_inputs(
+        token_rewards, values, mask, gamma, lam, bootstrap_value, done, terminated, next_values
+    )
     chosen = _gae_fast.select_backend(r.device, backend)
     if chosen == "loop":
         kernel = _gae_loop
     else:
         kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
-    adv = torch.zeros_like(r) if r.numel() == 0 else kernel(r, v, m, gamma_, lam_, boot)
+    adv = torch.zeros_like(r) if r.numel() == 0 else kernel(r, v, m, gamma_, lam_, boot, ends, end_values)
     return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 

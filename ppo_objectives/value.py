@@ -32,55 +32,6 @@ from ppo_objectives import _validate
 __all__ = ["MaskedGAE"]
 
 
-def _segmented_masked_gae(
-    rewards: Tensor,
-    values: Tensor,
-    mask: Tensor,
-    gamma: Tensor | float,
-    lmbda: Tensor | float,
-    done: Tensor,
-    terminated: Tensor,
-    next_values: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """Masked GAE over rows that hold several trajectories back to back (collector layout).
-
-    All tensors are ``[N, T]`` (``mask``, ``done``, ``terminated`` bool), already
-    validated. The recursion runs backwards over the valid steps of each row.
-    A *segment end* is a valid step with ``done``, or the last valid step of the
-    row (the batch boundary cut the trajectory). At a segment end the next
-    value is 0 if ``terminated`` and ``next_values[t]`` otherwise (truncated, or
-    cut by the boundary), and the advantage carried from the right is dropped;
-    inside a segment the next value is the value of the next valid step. Masked
-    steps are skipped: their rewards, values and flags are never read.
-
-    Returns raw advantages and returns (``A + V``), exactly 0 at masked steps.
-    Written as a loop over ``T`` with ``torch.where`` only, so it has no host
-    synchronisation and compiles with ``torch.compile(fullgraph=True)``.
-    """
-    n, t_len = rewards.shape
-    zero = rewards.new_zeros(())
-    next_v = rewards.new_zeros(n)  # value of the next valid step of the same row
-    carry = rewards.new_zeros(n)  # advantage of that step
-    seen = torch.zeros(n, dtype=torch.bool, device=rewards.device)  # a valid step exists to the right
-    adv = torch.zeros_like(rewards)
-    for t in range(t_len - 1, -1, -1):
-        m = mask[:, t]
-        end = done[:, t] | ~seen
-        if next_values is None:
-            boot = rewards.new_zeros(n)
-        else:
-            boot = torch.where(terminated[:, t], zero, next_values[:, t])
-        nv = torch.where(end, boot, next_v)
-        c = torch.where(end, zero, carry)
-        a = rewards[:, t] + gamma * nv - values[:, t] + gamma * lmbda * c
-        adv[:, t] = torch.where(m, a, zero)
-        carry = torch.where(m, a, carry)
-        next_v = torch.where(m, values[:, t], next_v)
-        seen = seen | m
-    returns = torch.where(mask, adv + values, zero)
-    return adv, returns
-
-
 class MaskedGAE(ValueEstimatorBase):
     """Generalised advantage estimation over the valid tokens of each row, as a TorchRL value estimator.
 
@@ -151,6 +102,10 @@ class MaskedGAE(ValueEstimatorBase):
             under ``torch.no_grad()``).
         device: device of the ``gamma`` / ``lmbda`` buffers.
         skip_existing: forwarded to :class:`~torchrl.objectives.value.ValueEstimatorBase`.
+        process_group: a ``torch.distributed`` group: with ``average_gae=True`` the
+            advantages are whitened over the valid steps of every rank, so data-parallel
+            ranks get the numbers of one process holding the whole batch (default
+            ``None``: this process's batch only).
 
     Differences from :class:`torchrl.objectives.value.GAE`: masked steps are
     skipped rather than computed on; inside a trajectory the next value is the
@@ -244,6 +199,7 @@ class MaskedGAE(ValueEstimatorBase):
         differentiable: bool = False,
         skip_existing: bool | None = None,
         device: torch.device | None = None,
+        process_group=None,
     ):
         super().__init__(
             value_network=value_network, differentiable=differentiable, skip_existing=skip_existing, device=device
@@ -253,6 +209,7 @@ class MaskedGAE(ValueEstimatorBase):
             # float64, cast to the data's compute dtype at use: float64 batches get the exact hyper-parameter
             self.register_buffer(name, torch.as_tensor(x, dtype=torch.float64, device=self._device).clone())
         self.average_gae = bool(average_gae)
+        self.process_group = process_group
 
     @property
     def in_keys(self):
@@ -351,26 +308,28 @@ class MaskedGAE(ValueEstimatorBase):
         done = tensordict.get(TD.next_key(keys.done), None)
         terminated = tensordict.get(TD.next_key(keys.terminated), None)
         truncated = tensordict.get(TD.next_key(keys.truncated), None)
-        if done is None and terminated is None and truncated is None:
-            # LLM layout: one response per row, terminal after the last valid token.
-            adv, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae)
-        else:
-            adv, target = self._collector_gae(tensordict, next_params, r, v, m, shape, done, terminated, truncated)
+        ends = {}
+        if done is not None or terminated is not None or truncated is not None:
+            ends = self._collector_ends(tensordict, next_params, shape, done, terminated, truncated)
+        adv, target = F.masked_gae(
+            r, v, m, self.gamma, self.lmbda, normalize=self.average_gae, process_group=self.process_group, **ends
+        )
         if trailing_one:
             adv, target = adv.unsqueeze(-1), target.unsqueeze(-1)
         return adv, target
 
-    def _collector_gae(self, tensordict, next_params, r, v, m, shape, done, terminated, truncated):
+    def _collector_ends(self, tensordict, next_params, shape, done, terminated, truncated) -> dict[str, Tensor]:
+        """``done`` / ``terminated`` / ``next_values`` of the collector layout, as ``masked_gae`` takes them."""
         keys = self.tensor_keys
+        ref = f"value {keys.value!r}"
 
         def flag(x, key):
-            x = TD.time_last(x, f"flag {TD.next_key(key)!r}", shape, f"value {keys.value!r}")
-            return x if x.dtype == torch.bool else x != 0
+            x = TD.time_last(x, f"flag {TD.next_key(key)!r}", shape, ref)
+            return _validate.check_mask(x, shape, ref, name=f"flag {TD.next_key(key)!r}")
 
-        done = None if done is None else flag(done, keys.done)
-        terminated = None if terminated is None else flag(terminated, keys.terminated)
-        truncated = None if truncated is None else flag(truncated, keys.truncated)
-        done, terminated, _ = F.resolve_done_flags(done, terminated, truncated)
+        flags = [None if x is None else flag(x, k) for x, k in
+                 ((done, keys.done), (terminated, keys.terminated), (truncated, keys.truncated))]  # fmt: skip
+        done, terminated, _ = F.resolve_done_flags(*flags)
         next_value = self._values(tensordict, TD.next_key(keys.value), next_params, next_step=True)
         if next_value is None:
             raise KeyError(
@@ -379,17 +338,5 @@ class MaskedGAE(ValueEstimatorBase):
                 "by the batch boundary (using 0 would treat them as terminated). Store the next values, pass "
                 "value_network=, or drop the done flags for LLM data where every row ends its response."
             )
-        nv = TD.time_last(next_value, f"next value {TD.next_key(keys.value)!r}", shape, f"value {keys.value!r}")
-        for name, x in (("reward", r), ("value", v), ("next value", nv)):
-            _validate.check_float(name, x)
-        cd = _validate.compute_dtype(r, v, nv)
-        t_len = shape[-1]
-        flat = lambda x: x.reshape(-1, t_len)  # noqa: E731
-        gamma, lmbda = self.gamma.to(device=v.device, dtype=cd), self.lmbda.to(device=v.device, dtype=cd)
-        adv, target = _segmented_masked_gae(
-            flat(r.to(cd)), flat(v.to(cd)), flat(m), gamma, lmbda, flat(done), flat(terminated), flat(nv.to(cd))
-        )
-        adv, target = adv.reshape(shape), target.reshape(shape)
-        if self.average_gae:
-            adv = F.masked_whiten(adv, m)
-        return adv.to(v.dtype), target.to(v.dtype)
+        nv = TD.time_last(next_value, f"next value {TD.next_key(keys.value)!r}", shape, ref)
+        return dict(done=done, terminated=terminated, next_values=nv)

@@ -19,6 +19,7 @@ from ppo_objectives.functional import (
     ppo_policy_loss,
     reference_kl_penalty,
 )
+from ppo_objectives.value import MaskedGAE
 
 WORLD = 2
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -34,6 +35,25 @@ def _batch(seed=0, B=6, R=7, empty_rank1=False):
         mask[B // 2 :] = False
     data["mask"] = mask
     return data
+
+
+def _gae_tds(data):
+    """The batch as MaskedGAE input, response layout and collector layout (done flags, next values)."""
+    from tensordict import TensorDict
+
+    B, R = data["mask"].shape
+    llm = TensorDict({"state_value": data["v"], "mask": data["mask"], ("next", "reward"): data["r"]}, [B, R])
+    col = llm.clone()
+    done = torch.zeros(B, R, dtype=torch.bool)
+    done[:, R // 2] = True
+    col["next", "done"] = done
+    col["next", "terminated"] = done & (data["new"][:, :1] > 0)  # per row, so shards agree with the whole
+    col["next", "state_value"] = data["ref"]
+    return llm, col
+
+
+def _masked_gae_module(data, pg):
+    return [MaskedGAE(0.99, 0.95, average_gae=True, process_group=pg)(td)["advantage"] for td in _gae_tds(data)]
 
 
 def _shard(data, rank):
@@ -72,6 +92,7 @@ def _worker(rank, init_file, results_dir, empty_rank1):
             out[mode] = {"loss": loss_avg / WORLD, "g_new": g_new / WORLD, "g_v": g_v / WORLD, "adv": adv.detach()}
         out["mean"] = masked_mean(data["v"], data["mask"], process_group=pg)
         out["var"] = masked_var(data["v"], data["mask"], process_group=pg)
+        out["module_adv"] = _masked_gae_module(data, pg)
 
         # one DDP step on a tiny model: parameters identical on both ranks afterwards
         torch.manual_seed(0)
@@ -126,6 +147,7 @@ def _single_process(empty_rank1=False):
         out[mode] = {"loss": loss.detach(), "g_new": new.grad, "g_v": vnew.grad, "adv": adv.detach()}
     out["mean"] = masked_mean(data["v"], data["mask"])
     out["var"] = masked_var(data["v"], data["mask"])
+    out["module_adv"] = _masked_gae_module(data, None)
     return out
 
 
@@ -147,6 +169,16 @@ def test_whitened_advantages_and_statistics_equal_single_process(two_ranks):
     for res in two_ranks:
         torch.testing.assert_close(res["mean"], single["mean"])
         torch.testing.assert_close(res["var"], single["var"])
+
+
+def test_masked_gae_module_whitens_over_all_ranks_with_a_process_group(two_ranks):
+    # MaskedGAE(process_group=): both layouts give the advantages of one process holding the whole batch
+    single = _single_process()
+    for layout in range(2):
+        adv = torch.cat([res["module_adv"][layout] for res in two_ranks])
+        torch.testing.assert_close(adv, single["module_adv"][layout], atol=1e-10, rtol=1e-10)
+        local = torch.cat([_masked_gae_module(_shard(_batch(), r), None)[layout] for r in range(WORLD)])
+        assert not torch.allclose(local, single["module_adv"][layout])  # without the group the ranks disagree
 
 
 def test_ddp_step_leaves_identical_parameters_on_both_ranks(two_ranks):

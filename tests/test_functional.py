@@ -19,6 +19,7 @@ from ppo_objectives.functional import (
     loss_normalizer,
     masked_gae,
     masked_gae_reference,
+    resolve_done_flags,
     masked_mean,
     masked_sum,
     masked_var,
@@ -726,6 +727,14 @@ BAD = [
     ("normalizer scalar mask", lambda: loss_normalizer(torch.tensor(True)), ValueError, r"token axis"),
     ("process_group with dim", lambda: masked_mean(x3, m3, dim=-1, process_group=object()), ValueError, r"process_group needs dim=None"),
     ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"old_logps has shape"),
+    ("done shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.zeros(2, 1, dtype=torch.bool)), ValueError, r"done has shape \(2, 1\) but token_rewards has shape \(2, 3\)"),
+    ("done non-binary", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.full((2, 3), 2.0)), ValueError, r"done must hold only 0 and 1 \(True = the trajectory ends at this step\)"),
+    ("terminated not a tensor", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, terminated=[True]), TypeError, r"terminated must be a torch.Tensor"),
+    ("next_values shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, next_values=torch.zeros(2)), ValueError, r"next_values has shape \(2,\)"),
+    ("next_values int", lambda: masked_gae_reference(x3, x3, m3, 1.0, 0.9, next_values=torch.zeros(2, 3, dtype=torch.long)), TypeError, r"next_values must be a floating-point tensor"),
+    ("bootstrap and next_values", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, bootstrap_value=torch.zeros(2), next_values=x3), ValueError, r"bootstrap_value and next_values are exclusive"),
+    ("done flags on meta", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.zeros(2, 3, dtype=torch.bool, device="meta")), ValueError, r"all tensors must be on one device.*done on meta"),
+    ("resolve nothing", lambda: resolve_done_flags(None, None, None), ValueError, r"needs at least one of done, terminated, truncated"),
 ]
 
 
@@ -767,3 +776,24 @@ def test_device_mismatch_is_reported_before_mask_values_are_read():
     # a float mask on another device must give the device error, not a failed value check
     with pytest.raises(ValueError, match=r"all tensors must be on one device.*mask on meta"):
         ppo_policy_loss(x3, x3, x3, torch.ones(2, 3, device="meta"), 0.2)
+
+
+@pytest.mark.parametrize("done", [None, False, True])
+@pytest.mark.parametrize("terminated", [None, False, True])
+@pytest.mark.parametrize("truncated", [None, False, True])
+def test_resolve_done_flags_follows_torchrl_and_agrees_for_bools_and_tensors(done, terminated, truncated):
+    given = (done, terminated, truncated)
+    if all(f is None for f in given):
+        pytest.skip("no flag at all is an error (see the bad inputs)")
+    d, te, tr = resolve_done_flags(*given)
+    # what was given stays as given
+    for got, want in zip((d, te, tr), given):
+        assert want is None or got == want
+    if done is None:
+        assert d == (bool(terminated) or bool(truncated))
+    if terminated is None:
+        assert te == (d and not bool(truncated))
+    if truncated is None:
+        assert tr == (d and not te)
+    as_tensor = [None if f is None else torch.tensor([f]) for f in given]
+    assert [bool(x) for x in resolve_done_flags(*as_tensor)] == [d, te, tr]

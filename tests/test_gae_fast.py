@@ -6,7 +6,12 @@ each row's list of valid indices backwards with Python floats.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,13 +47,54 @@ def naive_gae(rewards, values, mask, gamma, lam, bootstrap=None):
     return out
 
 
-def naive_discounted_rcumsum(x, g):
+def naive_gae_segments(rewards, values, mask, gamma, lam, done, terminated, next_values):
+    """Raw masked GAE of collector rows in float64 with Python floats: per row, split its valid
+    indices into trajectories at done steps (and the row's end), then recurse over each
+    trajectory backwards from its bootstrap (0 if its last step is terminated, else the next
+    value there)."""
+    n, r = rewards.shape
+    out = torch.zeros(n, r, dtype=torch.float64)
+    for row in range(n):
+        valid = [k for k in range(r) if bool(mask[row, k])]
+        segments, current = [], []
+        for k in valid:
+            current.append(k)
+            if bool(done[row, k]):
+                segments.append(current)
+                current = []
+        if current:
+            segments.append(current)
+        for seg in segments:
+            end = seg[-1]
+            next_v = 0.0 if bool(terminated[row, end]) else float(next_values[row, end])
+            next_a = 0.0
+            for k in reversed(seg):
+                delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
+                next_a = delta + gamma * lam * next_a
+                next_v = float(values[row, k])
+                out[row, k] = next_a
+    return out
+
+
+def naive_discounted_rcumsum(x, g, stop=None):
     out = torch.zeros_like(x, dtype=torch.float64)
     acc = torch.zeros(x.shape[0], dtype=torch.float64)
     for k in range(x.shape[1] - 1, -1, -1):
+        if stop is not None:
+            acc = torch.where(stop[:, k], 0.0, acc)
         acc = x[:, k].double() + g * acc
         out[:, k] = acc
     return out
+
+
+def make_flags(n, r, rate, gen, device):
+    """done flags at ``rate``, half of them terminations, garbage-proof (flags at masked steps are
+    random too), and next values (NaN where they must never be read is not possible: a truncated
+    end reads them, so they are finite everywhere)."""
+    done = torch.rand(n, r, generator=gen) < rate
+    terminated = done & (torch.rand(n, r, generator=gen) < 0.5)
+    next_values = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    return done.to(device), terminated.to(device), next_values.to(device)
 
 
 def emulate_triton_kernel(rewards, values, mask, gamma, lam, bootstrap, block):
@@ -268,6 +314,167 @@ def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, la
     assert_close_to_reference(clean, naive_gae(r_, v_, m, gamma, lam, boot), torch.float64)
 
 
+# --------------------------------------------------------------------------- #
+# Collector rows: trajectory ends (done / terminated / next values), every backend
+# --------------------------------------------------------------------------- #
+
+
+def check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for kind in MASK_KINDS:
+        r, v, m, _ = make_inputs(*shape, dtype, kind, gen, device)
+        done, term, nv = make_flags(*shape, rate, gen, device)
+        adv, ret = masked_gae(
+            r, v, m, gamma, lam, normalize=False, done=done, terminated=term, next_values=nv.to(dtype), backend=backend
+        )
+        ref = naive_gae_segments(r.cpu(), v.cpu(), m.cpu(), gamma, lam, done.cpu(), term.cpu(), nv.to(dtype).cpu())
+        assert adv.dtype == dtype and adv.shape == m.shape
+        assert (adv[~m] == 0).all() and (ret[~m] == 0).all(), kind
+        assert_close_to_reference(adv, ref, dtype)
+        assert_close_to_reference(ret, torch.where(m.cpu(), ref + v.cpu().double(), 0.0), dtype)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 1.0], ids=lambda x: f"done{x}")
+@pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (3, 130)], ids=lambda s: "x".join(map(str, s)))
+def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lam, rate, dtype, backend, device):
+    # 130 tokens: two blocks of 64 plus a partial one, so ends fall on and across block boundaries
+    check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed=len(shape) * 31 + shape[-1])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (1.0, 0.95)])
+@pytest.mark.parametrize("rate", [0.001, 0.02, 0.3], ids=lambda x: f"done{x}")
+def test_collector_rows_of_5000_steps_stay_accurate_in_float32(gamma, lam, rate):
+    # three levels of blocks; a block holding an end passes nothing on at every level
+    check_segment_case((2, 5000), gamma, lam, torch.float32, rate, "torch", "cpu", seed=int(rate * 1000))
+
+
+def test_collector_row_golden_case():
+    # one row, hole at 2: steps 0,1 terminate at 1; steps 3,4 are truncated at 4 (next value 10);
+    # step 5 is cut by the row's end (next value 2). gamma = 0.5, lam = 1, rewards 1, values 0
+    r = torch.ones(1, 6)
+    v = torch.zeros(1, 6)
+    m = torch.tensor([[True, True, False, True, True, True]])
+    done = torch.tensor([[False, True, True, False, True, False]])  # the flag at the hole is never read
+    term = torch.tensor([[False, True, False, False, False, False]])
+    nv = torch.tensor([[0.0, 99.0, 99.0, 0.0, 10.0, 2.0]])
+    adv, _ = masked_gae(r, v, m, 0.5, 1.0, normalize=False, done=done, terminated=term, next_values=nv)
+    # A_1 = 1 (terminated: 99 ignored), A_0 = 1 + 0.5 * A_1 = 1.5;  A_4 = 1 + 0.5 * 10 = 6,
+    # A_3 = 1 + 0.5 * 6 = 4;  A_5 = 1 + 0.5 * 2 = 2
+    assert adv.tolist() == [[1.5, 1.0, 0.0, 4.0, 6.0, 2.0]]
+
+
+def test_collector_rows_without_next_values_bootstrap_zero_except_the_row_bootstrap():
+    r = torch.ones(2, 4)
+    v = torch.zeros(2, 4)
+    m = torch.ones(2, 4, dtype=torch.bool)
+    done = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    adv, _ = masked_gae(r, v, m, 1.0, 1.0, normalize=False, done=done, bootstrap_value=torch.tensor([5.0, 5.0]))
+    # row 0: the boundary cut takes the row bootstrap 5; row 1 ends done (terminal): 5 is not used
+    assert adv.tolist() == [[2.0, 1.0, 7.0, 6.0], [4.0, 3.0, 2.0, 1.0]]
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_done_flags_at_masked_steps_and_garbage_next_values_are_never_read(backend):
+    gen = torch.Generator().manual_seed(21)
+    r, v, m, _ = make_inputs(4, 40, torch.float64, "holes", gen, "cpu")
+    done, term, nv = make_flags(4, 40, 0.2, gen, "cpu")
+    read = done & m | (m & (torch.cumsum(m, -1) == m.sum(-1, keepdim=True)))  # ends
+    nv_clean = torch.where(read & ~term, nv, 0.0)
+    clean = masked_gae(r, v, m, 0.9, 0.8, normalize=False, done=done & m, terminated=term & m, next_values=nv_clean,
+                       backend=backend)[0]  # fmt: skip
+    noisy_nv = torch.where(read & ~term, nv, float("nan"))
+    noisy = masked_gae(r, v, m, 0.9, 0.8, normalize=False, done=done | ~m, terminated=term, next_values=noisy_nv,
+                       backend=backend)[0]  # fmt: skip
+    torch.testing.assert_close(noisy, clean, rtol=0, atol=0)
+
+
+def test_no_ends_is_the_response_layout_exactly():
+    # all-False flags and the row bootstrap as next value of the last valid step: same numbers
+    gen = torch.Generator().manual_seed(22)
+    r, v, m, boot = make_inputs(5, 150, torch.float64, "holes", gen, "cpu")
+    nv = boot[:, None].expand(5, 150).contiguous()
+    want = masked_gae(r, v, m, 0.99, 0.95, normalize=True, bootstrap_value=boot)[0]
+    got = masked_gae(r, v, m, 0.99, 0.95, normalize=True, done=torch.zeros_like(m), next_values=nv)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 65, 130, 4097])
+@pytest.mark.parametrize("g", [0.0, 0.5, 0.97, 1.0])
+@pytest.mark.parametrize("rate", [0.01, 0.3, 1.0], ids=lambda x: f"stop{x}")
+def test_discounted_reverse_cumsum_with_stops_matches_loop(length, g, rate):
+    gen = torch.Generator().manual_seed(length * 3 + int(rate * 10))
+    x = torch.randn(3, length, generator=gen, dtype=torch.float64)
+    stop = torch.rand(3, length, generator=gen) < rate
+    out = discounted_reverse_cumsum(x, g, stop=stop)
+    torch.testing.assert_close(out, naive_discounted_rcumsum(x, g, stop), rtol=1e-10, atol=1e-10)
+
+
+def test_torch_gae_with_ends_backpropagates_to_values_and_next_values():
+    gen = torch.Generator().manual_seed(23)
+    r, v, m, _ = make_inputs(2, 9, torch.float64, "holes", gen, "cpu")
+    done, term, nv = make_flags(2, 9, 0.3, gen, "cpu")
+    v = torch.where(m, v, 0.0).requires_grad_()
+    nv = nv.requires_grad_()
+    r = torch.where(m, r, 0.0)
+
+    def f(vv, nn):
+        return masked_gae(r, vv, m, 0.9, 0.8, normalize=False, done=done, terminated=term, next_values=nn,
+                          backend="torch")[0]  # fmt: skip
+
+    assert torch.autograd.gradcheck(f, (v, nv))
+
+
+def test_kernel_rejects_bootstrap_together_with_ends():
+    m = torch.ones(1, 3, dtype=torch.bool)
+    z = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match=r"bootstrap_value and ends are exclusive"):
+        gae_advantages_torch(z, z, m, 1.0, 1.0, torch.zeros(1), m, z)
+    with pytest.raises(ValueError, match=r"ends and end_values go together"):
+        gae_advantages_torch(z, z, m, 1.0, 1.0, None, m, None)
+
+
+_INTERPRETED_KERNEL = """
+import torch
+from ppo_objectives import functional as F
+from ppo_objectives._triton_gae import masked_gae_triton
+import tests.test_gae_fast as t
+gen = torch.Generator().manual_seed(0)
+worst = 0.0
+cases = [((3, 1), kind) for kind in t.MASK_KINDS] + [((3, 17), kind) for kind in t.MASK_KINDS]
+cases += [((2, 200), "holes"), ((1, 1100), "holes")]  # 1100 > 1024: two chunks, a carry between them
+for shape, kind in cases:
+    r, v, m, boot = t.make_inputs(*shape, torch.float32, kind, gen, "cpu")
+    done, term, nv = t.make_flags(*shape, 0.05, gen, "cpu")
+    for gamma, lam in [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5)]:
+        g, l = torch.tensor(gamma), torch.tensor(lam)  # the interpreter takes the device-buffer path
+        rr, vv, mm, g_, l_, _, ends, ev, _ = F._gae_inputs(r, v, m, g, l, None, done, term, nv.float())
+        seg = masked_gae_triton(rr, vv, mm, g_, l_, None, ends, ev)
+        want = t.naive_gae_segments(r, v, m, gamma, lam, done, term, nv.float())
+        t.assert_close_to_reference(seg, want, torch.float32)
+        for b in (None, boot):
+            out = masked_gae_triton(r, v, m, g, l, b)
+            t.assert_close_to_reference(out, t.naive_gae(r, v, m, gamma, lam, b), torch.float32)
+        worst = max(worst, float((seg.double() - want).abs().max()))
+print("ok", worst)
+"""
+
+
+@pytest.mark.slow  # about 10 s: the interpreter runs the kernel program by program in numpy
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (interpreter mode)")
+def test_triton_kernel_runs_under_the_interpreter_for_both_layouts():
+    # TRITON_INTERPRET=1 executes the real kernel source on CPU tensors, so the kernel is checked
+    # on machines without a GPU; it must be set before triton is imported, hence the subprocess
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
 # importing inductor on torch 2.13 trips torch's own torch.jit.script_method deprecation warning
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.slow  # 10-25 s of inductor compilation on 2 cores
@@ -404,6 +611,16 @@ def test_triton_gae_matches_naive_reference_on_cuda(shape, dtype, tensor_gamma):
 
 @pytest.mark.cuda
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (4, 1024), (2, 3000)], ids=lambda s: "x".join(map(str, s)))
+def test_triton_gae_collector_rows_match_the_segment_reference_on_cuda(shape, dtype):
+    for gamma, lam in [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5)]:
+        for rate in (0.02, 0.5):
+            check_segment_case(shape, gamma, lam, dtype, rate, "triton", "cuda", seed=shape[-1] + int(rate * 100))
+
+
+@pytest.mark.cuda
+@needs_triton
 def test_masked_gae_auto_uses_triton_on_cuda_and_matches_torch():
     gen = torch.Generator().manual_seed(12)
     r, v, m, boot = make_inputs(8, 513, torch.float32, "holes", gen, "cuda")
@@ -431,9 +648,15 @@ def test_fast_gae_kernels_do_not_synchronise_with_the_host(backend):
     kernel(r, v, m, 0.99, 0.95, boot)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    done, term, nv = make_flags(4, 300, 0.05, gen, "cuda")
+    nv = nv.float()
+    if backend == "masked_gae":  # the collector layout through the public function
+        masked_gae(r, v, m, 0.99, 0.95, done=done, terminated=term, next_values=nv)
     try:
         kernel(r, v, m, g, 0.95, boot)
         kernel(r, v, m, 0.99, 0.95, None)
+        if backend == "masked_gae":
+            masked_gae(r, v, m, 0.99, 0.95, done=done, terminated=term, next_values=nv)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out = kernel(r, v, m, 0.99, 0.95, boot)

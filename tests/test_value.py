@@ -14,7 +14,7 @@ from torch import nn
 from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
-from ppo_objectives.value import MaskedGAE, _segmented_masked_gae
+from ppo_objectives.value import MaskedGAE
 
 
 def naive_collector_gae(r, v, nv, mask, done, term, gamma, lmbda):
@@ -207,17 +207,20 @@ def test_low_and_high_precision_inputs_keep_their_dtype(dtype, collector):
     torch.testing.assert_close(out["advantage"].double(), ref["advantage"], rtol=tol, atol=tol)
 
 
-def test_segmented_helper_equals_functional_on_one_trajectory_per_row():
-    # One trajectory per row, truncated (bootstrapped) or terminated at its last valid token.
+def test_collector_layout_with_one_trajectory_per_row_equals_the_response_layout():
+    # One trajectory per row, truncated (bootstrapped) or terminated at its last valid token:
+    # the same numbers through the done-flag path and through bootstrap_value.
     td = llm_batch(B=5, R=6, seed=4)
     r, v, m = td["next", "reward"], td["state_value"], td["mask"]
     boot = torch.tensor([0.0, 1.5, 0.0, -2.0, 0.3])
-    terminated = (boot == 0).unsqueeze(-1).expand_as(m)
-    no_done = torch.zeros_like(m)
-    adv, ret = _segmented_masked_gae(r, v, m, 0.9, 0.7, no_done, terminated, boot.unsqueeze(-1).expand_as(v))
+    col = td.clone()
+    col["next", "done"] = torch.zeros_like(m)
+    col["next", "terminated"] = (boot == 0).unsqueeze(-1).expand_as(m).clone()
+    col["next", "state_value"] = boot.unsqueeze(-1).expand_as(v).clone()
+    out = MaskedGAE(0.9, 0.7)(col)
     adv_f, ret_f = F.masked_gae(r, v, m, 0.9, 0.7, normalize=False, bootstrap_value=boot)
-    torch.testing.assert_close(adv, adv_f)
-    torch.testing.assert_close(ret, ret_f)
+    torch.testing.assert_close(out["advantage"], adv_f)
+    torch.testing.assert_close(out["value_target"], ret_f)
 
 
 def test_flags_default_like_torchrl_when_only_done_or_terminated_is_given():
@@ -460,15 +463,19 @@ def test_error_discount_outside_unit_interval(name, kwargs):
 # importing inductor on torch 2.13 trips torch's own torch.jit.script_method deprecation warning
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.slow  # inductor compilation on 2 cores
-def test_segmented_recursion_compiles_fullgraph():
+def test_collector_layout_gae_compiles_fullgraph():
+    # masked_gae with done flags (validation, segment ends, torch fast path) in one graph
     td = collector_batch(N=2, T=6, trailing=False)
-    args = (
-        td["next", "reward"], td["state_value"], torch.rand(2, 6) < 0.8, torch.tensor(0.9), torch.tensor(0.8),
-        td["next", "done"], td["next", "terminated"], td["next", "state_value"],
-    )  # fmt: skip
+    args = (td["next", "reward"], td["state_value"], torch.rand(2, 6) < 0.8, td["next", "done"],
+            td["next", "terminated"], td["next", "state_value"])  # fmt: skip
+
+    def gae(r, v, m, d, t, nv):
+        return F.masked_gae(r, v, m, 0.9, 0.8, normalize=True, done=d, terminated=t, next_values=nv)
+
     torch._dynamo.reset()
-    compiled = torch.compile(_segmented_masked_gae, fullgraph=True, dynamic=False)
-    for a, b in zip(compiled(*args), _segmented_masked_gae(*args)):
+    compiled = torch.compile(gae, fullgraph=True, dynamic=False)
+    for a, b in zip(compiled(*args), F.masked_gae_reference(*args[:3], 0.9, 0.8, done=args[3], terminated=args[4],
+                                                             next_values=args[5])):  # fmt: skip
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()
 
