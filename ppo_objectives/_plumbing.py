@@ -14,14 +14,14 @@ that it can be read (and tested) on its own:
 * **RNG state** capture and restore (torch, CUDA, the update generator, the env's
   prompt generator);
 * **the metrics CSV** (``metrics.csv``: append a row, drop the rows an interrupted
-  run logged after its last checkpoint, read it back, plot it);
+  run logged after its last checkpoint, read it back);
 * **optimizer snapshots** -- copies of the parameters and AdamW's state, put back
   in place when the trust region undoes a step;
 * **stderr lines** that do not break the progress bar.
 
 It is internal: the names are plain so :mod:`ppo_objectives.train` can import them,
-but they are not part of the public API (``read_metrics`` and ``plot_metrics`` are,
-through :mod:`ppo_objectives.train`). The layering is in ``docs/design.md``.
+but they are not part of the public API (``read_metrics`` is, through
+:mod:`ppo_objectives.train`). The layering is in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import torch.distributed as dist
 from tensordict.nn import TensorDictModule
 
 from ppo_objectives.models import ActorCritic
-from ppo_objectives.monitor import plot_metrics as _plot
 
 __all__ = [
     "Dist",
@@ -52,7 +51,6 @@ __all__ = [
     "load_checkpoint",
     "log_skip",
     "param_checksums",
-    "plot_metrics",
     "read_metrics",
     "restore",
     "restore_rng_states",
@@ -255,7 +253,7 @@ def restore_state(ckpt: dict, stateful: Mapping[str, object]) -> int:
 
 
 # --------------------------------------------------------------------------- #
-# The metrics CSV and its plot
+# The metrics CSV
 # --------------------------------------------------------------------------- #
 
 
@@ -290,11 +288,6 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     """The rows of a ``metrics.csv``, every non-empty cell as a float."""
     with Path(path).open() as f:
         return [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
-
-
-def plot_metrics(csv_path: Path, png_path: Path) -> None:
-    """Plot ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.monitor.plot_metrics`)."""
-    _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
 # --------------------------------------------------------------------------- #

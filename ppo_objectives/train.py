@@ -157,11 +157,12 @@ from tensordict.nn import TensorDictModule
 
 from ppo_objectives import _plumbing, _validate
 from ppo_objectives import functional as F
-from ppo_objectives._plumbing import plot_metrics, read_metrics  # public through this module
+from ppo_objectives._plumbing import read_metrics  # public through this module
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.models import ActorCritic, ResponseLogProbs, TinyCausalLM, TinyLMConfig, make_actor_critic
 from ppo_objectives.monitor import FLAGS, CollapseGuard
+from ppo_objectives.monitor import plot_metrics as _plot
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -758,6 +759,11 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
         ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
     _finish(cfg, d, guard, out)
     return rows
+
+
+def plot_metrics(csv_path: Path, png_path: Path) -> None:
+    """Plot ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.monitor.plot_metrics`)."""
+    _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
 def _stateful(ac: ActorCritic, ref: TensorDictModule, optimizers, controller, guard: CollapseGuard) -> dict:
