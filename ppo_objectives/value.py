@@ -43,21 +43,25 @@ class MaskedGAE(ValueEstimatorBase):
         value_target_t = A_t (raw, before whitening) + V_t
 
     where ``t + 1`` is the next *valid* step (masked steps are skipped, their
-    entries never read). The arithmetic is :func:`ppo_objectives.functional.masked_gae`;
-    this class maps TensorDict keys to its arguments.
+    entries never read). The arithmetic is :func:`ppo_objectives.functional.masked_gae`,
+    one function for both layouts (see ``ppo_objectives/layouts.py`` and
+    ``docs/design.md``); this class maps TensorDict keys to its arguments.
 
-    Two layouts:
+    Two forms, chosen by the presence of done flags:
 
-    * **LLM layout** ``[B, R]`` (no done flags in the TensorDict): one response
-      per row, ``mask`` marks the response tokens. After the last valid token the
-      next value is 0 (the response ended). This is MiniMind's GAE.
-    * **Collector layout** ``[N, T]`` (``("next", "done")`` and/or
-      ``("next", "terminated")`` / ``("next", "truncated")`` present): a row may
-      hold several trajectories back to back, the last one cut by the batch
-      boundary. The recursion restarts at every ``done``; the next value of a
-      trajectory's last step is 0 when ``terminated`` and
-      ``("next", "state_value")`` when truncated or cut by the boundary. On
-      unmasked data this equals :class:`torchrl.objectives.value.GAE`.
+    * **Response form** (no done flags in the TensorDict): one response per row,
+      ``mask`` marks its tokens; after the last valid token the next value is 0
+      (the response ended). This is MiniMind's GAE, and what the response layout
+      of ``trajectories_to_llm_batch`` and the full-sequence layout of
+      ``LLMToTokenBatch`` (holes at user and tool tokens) need.
+    * **Collector form** ``[N, T]`` (``("next", "done")`` and/or
+      ``("next", "terminated")`` / ``("next", "truncated")`` present, completed
+      by :func:`~ppo_objectives.functional.resolve_done_flags`): a row may hold
+      several trajectories back to back, the last one cut by the batch boundary.
+      The recursion restarts at every ``done``; the next value of a trajectory's
+      last step is 0 when ``terminated`` and ``("next", "state_value")`` when
+      truncated or cut by the boundary. On unmasked data this equals
+      :class:`torchrl.objectives.value.GAE`.
 
     Keys read (names via :meth:`set_keys`; per-step tensors may be ``[*B, T]`` or ``[*B, T, 1]``):
 
@@ -68,16 +72,20 @@ class MaskedGAE(ValueEstimatorBase):
     ``"state_value"`` value        [*B, T(, 1)]  critic values at rollout time; computed by
                                                  ``value_network`` when absent
     ``"mask"`` mask                [*B, T(, 1)]  bool or {0, 1}; optional (all valid)
-    ``("next", "done")`` done      [*B, T(, 1)]  optional, selects the collector layout
+    ``("next", "done")`` done      [*B, T(, 1)]  optional, selects the collector form
     ``("next", "terminated")``     [*B, T(, 1)]  optional (defaults to done & ~truncated)
     ``("next", "truncated")``      [*B, T(, 1)]  optional (defaults to done & ~terminated)
-    ``("next", "state_value")``    [*B, T(, 1)]  collector layout: bootstrap values
+    ``("next", "state_value")``    [*B, T(, 1)]  collector form: bootstrap values
     ============================== ============= ==========================================
 
-    A trailing singleton is TorchRL's per-step layout when the other dims are the
-    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
-    A ``[B]`` TensorDict holding ``[B, R]`` entries works too, but there
-    ``R == 1`` reads as one trajectory of ``B`` steps: prefer ``batch_size=[B, R]``.
+    Batch shape: the time axis is the last dim of the value entry. The
+    package's response layout is a ``[B]`` TensorDict holding ``[B, S]`` inputs
+    next to ``[B, R]`` per-token entries, and runs as it comes. A trailing
+    singleton is read as TorchRL's per-step layout when the other dims are the
+    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict),
+    so in a ``[B]`` TensorDict a ``[B, 1]`` entry (one-token responses) reads as
+    one trajectory of ``B`` steps: for ``R == 1`` run on a ``[B, R]`` TensorDict
+    of the per-token entries.
 
     Keys written: ``"advantage"`` and ``"value_target"`` in the layout of the
     value entry (``[*B, T]`` or ``[*B, T, 1]``), exactly 0 at masked steps; the
