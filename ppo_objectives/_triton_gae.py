@@ -45,6 +45,13 @@ def _linear_combine(b_left, a_left, b_right, a_right):
 
 
 @triton.jit
+def _load_end(e_ptr, ev_ptr, offsets, valid):
+    # (is a trajectory end, its end value) at valid positions; nothing is loaded elsewhere
+    end = (tl.load(e_ptr + offsets, mask=valid, other=0) != 0) & valid
+    return end, tl.load(ev_ptr + offsets, mask=end, other=0.0)
+
+
+@triton.jit
 def _masked_gae_rows_kernel(
     r_ptr,
     v_ptr,
@@ -82,31 +89,27 @@ def _masked_gae_rows_kernel(
         start = (n_chunks - 1 - c) * BLOCK
         k = start + BLOCK - 1 - idx  # positions of this chunk, right to left
         j = k + 1
-        in_k = k < R
-        in_j = j < R
-        m_j = tl.load(m_ptr + base + j, mask=in_j, other=0) != 0
+        m_j = tl.load(m_ptr + base + j, mask=j < R, other=0) != 0
         r_j = tl.load(r_ptr + base + j, mask=m_j, other=0.0).to(acc_ty)
         v_j = tl.load(v_ptr + base + j, mask=m_j, other=0.0).to(acc_ty)
         own_j = gamma * v_j + g * (r_j - v_j)
         if HAS_ENDS:
-            e_j = (tl.load(e_ptr + base + j, mask=m_j, other=0) != 0) & m_j
-            ev_j = tl.load(ev_ptr + base + j, mask=e_j, other=0.0).to(acc_ty)
+            e_j, ev_j = _load_end(e_ptr, ev_ptr, base + j, m_j)
             a = tl.where(m_j, tl.where(e_j, 0.0, g), 1.0).to(acc_ty)
-            b = tl.where(m_j, own_j + tl.where(e_j, g * gamma * ev_j, 0.0), 0.0).to(acc_ty)
+            b = tl.where(m_j, own_j + tl.where(e_j, g * gamma * ev_j.to(acc_ty), 0.0), 0.0).to(acc_ty)
         else:
             a = tl.where(m_j, g, 1.0).to(acc_ty)
             b = tl.where(m_j, own_j, 0.0).to(acc_ty)
         b_scan, a_scan = tl.associative_scan((b, a), 0, _linear_combine)
         c_next = b_scan + a_scan * carry  # C_{k+1}
-        m_k = tl.load(m_ptr + base + k, mask=in_k, other=0) != 0
+        m_k = tl.load(m_ptr + base + k, mask=k < R, other=0) != 0
         r_k = tl.load(r_ptr + base + k, mask=m_k, other=0.0).to(acc_ty)
         v_k = tl.load(v_ptr + base + k, mask=m_k, other=0.0).to(acc_ty)
         if HAS_ENDS:
-            e_k = (tl.load(e_ptr + base + k, mask=m_k, other=0) != 0) & m_k
-            ev_k = tl.load(ev_ptr + base + k, mask=e_k, other=0.0).to(acc_ty)
-            c_next = tl.where(e_k, gamma * ev_k, c_next)  # X_k
+            e_k, ev_k = _load_end(e_ptr, ev_ptr, base + k, m_k)
+            c_next = tl.where(e_k, gamma * ev_k.to(acc_ty), c_next)  # X_k
         adv = tl.where(m_k, r_k - v_k + c_next, 0.0)
-        tl.store(out_ptr + base + k, adv.to(out_ptr.dtype.element_ty), mask=in_k)
+        tl.store(out_ptr + base + k, adv.to(out_ptr.dtype.element_ty), mask=k < R)
         # the chunk to the left needs C_{start + 1}: the last element in scan order
         carry = tl.sum(tl.where(idx == BLOCK - 1, c_next, 0.0), axis=0)
 

@@ -385,8 +385,8 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
         else FixedKLController(cfg.kl_coef)
     ).to(device)
     kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
-    # one process: GAE whitens its batch; torchrun: rollout_batch whitens over all ranks' tokens
-    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=process_group is None, device=device)
+    # whitened over the valid tokens of the batch (of every rank's batch under torchrun)
+    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=True, device=device, process_group=process_group)
     loss_module = TokenPPOLoss(
         actor,
         critic,
@@ -411,11 +411,17 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
 
 def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int, M: int,
                   *, process_group=None):
-    """One collector batch -> the LLM-layout batch the loss trains on (advantages included).
+    """One collector batch -> the response-layout batch the loss trains on (advantages included).
 
-    With a ``process_group`` (``gae`` built with ``average_gae=False``) the advantages are
-    whitened with the mean and variance of the valid tokens of every rank's batch.
+    Under data parallelism ``gae`` whitens over the valid tokens of every rank
+    (``MaskedGAE(..., average_gae=True, process_group=pg)``); ``process_group`` here is
+    no longer accepted.
     """
+    if process_group is not None:
+        raise TypeError(
+            "rollout_batch(process_group=) is gone: build the estimator with "
+            "MaskedGAE(..., average_gae=True, process_group=pg) to whiten over every rank's tokens"
+        )
     batch = next(collector_iter)  # [N, T] per-token steps
     device = next(ac.actor_model.parameters()).device
     llm = trajectories_to_llm_batch(batch.to(device), P, M)
@@ -424,8 +430,6 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
         ac.critic(llm)  # V_old: "state_value" [B, R]
         kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
         gae(llm)  # "advantage" (whitened over valid tokens), "value_target" = raw advantage + V_old
-        if process_group is not None:  # whiten over the valid tokens of all ranks
-            llm.set("advantage", F.masked_whiten(llm["advantage"], llm["mask"], process_group=process_group))
     return llm
 
 
@@ -729,7 +733,7 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
         for it in range(start_it, cfg.iterations):
             # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
             t0 = time.perf_counter()
-            llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M, process_group=pg)
+            llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M)
             t1 = time.perf_counter()
             # 2. PPO epochs x minibatches, approx-KL trust region, non-finite guard
             stats = ppo_update(llm, loss_module, ac, optimizers, cfg, gen, process_group=pg)
