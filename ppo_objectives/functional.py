@@ -203,11 +203,14 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
     return _masked_moments(x, m, unbiased, process_group)[1]
 
 
-def _masked_moments(x: Tensor, m: Tensor, unbiased: bool, process_group) -> tuple[Tensor, Tensor, Tensor]:
+def _masked_moments(
+    x: Tensor, m: Tensor, unbiased: bool, process_group, *, zero_off_mask: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(mean, var, x - mean)`` over the valid positions of validated ``x`` / bool ``m``
-    (the centred values are 0 at masked positions): three passes over the data."""
+    (the centred values are 0 at masked positions): three passes over the data, two when
+    ``x`` is known to be exactly 0 off the mask (``zero_off_mask``, the raw GAE advantages)."""
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    total, n = torch.where(m, x, zero).sum(), m.sum().to(x.dtype)
+    total, n = (x if zero_off_mask else torch.where(m, x, zero)).sum(), m.sum().to(x.dtype)
     if process_group is not None:
         both = _all_reduce_sum(torch.stack([total.detach(), n]), process_group)
         total, n = total + (both[0] - total.detach()), both[1]
@@ -548,7 +551,10 @@ def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
     """Returns = raw advantages + values; whiten the advantages; zero masked positions."""
     zero = torch.zeros((), dtype=adv_raw.dtype, device=adv_raw.device)
     returns = torch.where(m, adv_raw + v, zero)
-    adv = masked_whiten(adv_raw, m, process_group=process_group) if normalize else adv_raw
+    adv = adv_raw
+    if normalize:  # masked_whiten(adv_raw, m), knowing that every kernel writes exact zeros off the mask
+        _, var, centred = _masked_moments(adv_raw, m, False, process_group, zero_off_mask=True)
+        adv = centred * torch.rsqrt(var + 1e-8)
     return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
 
 
