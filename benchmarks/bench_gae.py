@@ -25,8 +25,10 @@ Two tables:
 2. **Collector rows** (TorchRL's layout, several trajectories per row): unmasked,
    ``gamma=0.99``, ``lam=0.95``, ``done`` at random steps (one in 64, half of them
    terminations), next values. Rows: ``response-torch`` (``masked_gae`` on the same rows
-   without flags: the baseline), ``torch`` / ``loop`` / ``triton`` (``masked_gae`` with
-   ``done`` / ``terminated`` / ``next_values``), ``torchrl-vec`` / ``torchrl-loop``
+   without flags, an all-True mask: the baseline), ``torch`` / ``loop`` / ``triton``
+   (``masked_gae`` with ``done`` / ``terminated`` / ``next_values`` and the all-True mask),
+   ``torch-no-mask`` (the same with ``mask=None``, as MaskedGAE runs a TorchRL batch that
+   has no mask entry: no packing), ``torchrl-vec`` / ``torchrl-loop``
    (TorchRL 0.14's ``vec_generalized_advantage_estimate`` / ``generalized_advantage_estimate``
    on ``[B, R, 1]``, which compute the same advantages on these unmasked rows, without
    whitening). Floor: read rewards, values, next values (4 bytes), done, terminated (1 byte),
@@ -166,6 +168,7 @@ def collector_implementations(b, r, device, include_torchrl):
     fns = {
         "response-torch": lambda: masked_gae(rewards, values, ones, g, lam, backend="torch"),
         "torch": lambda: masked_gae(rewards, values, ones, g, lam, backend="torch", **flags),
+        "torch-no-mask": lambda: masked_gae(rewards, values, None, g, lam, backend="torch", **flags),
         "loop": lambda: masked_gae(rewards, values, ones, g, lam, backend="loop", **flags),
     }
     if device.type == "cuda" and _gae_fast.triton_available():
@@ -257,7 +260,8 @@ def main(argv=None):
         floor = nbytes / bandwidth
         print_table(f"Collector rows (gamma={COLLECTOR[0]}, lam={COLLECTOR[1]}, done 1 in {1 / DONE_RATE:.0f})", b, r,
                     times, "response-torch", floor, bandwidth)  # fmt: skip
-        for name, base in (("torch", "response-torch"), ("triton", "response-triton")):
+        for name, base in (("torch", "response-torch"), ("torch-no-mask", "response-torch"),
+                           ("triton", "response-triton")):  # fmt: skip
             if name in times:
                 ratio = times[name] / times[base]
                 verdicts.append(f"{device.type.upper()} B={b} R={r}: collector rows {name} {ratio:.2f}x the time of "

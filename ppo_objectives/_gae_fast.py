@@ -4,7 +4,7 @@ Shape letters: ``N`` rows (flattened batch), ``R`` tokens per row, ``L`` the row
 to a whole number of blocks, ``C`` the block length.
 
 Contract shared by every backend (``rewards``, ``values`` float ``[N, R]`` of one dtype,
-``mask`` bool ``[N, R]``, ``bootstrap_value`` float ``[N]`` or ``None``, ``gamma`` / ``lam``
+``mask`` bool ``[N, R]`` or ``None`` (every step valid), ``bootstrap_value`` float ``[N]`` or ``None``, ``gamma`` / ``lam``
 Python floats or 0-d tensors on the rows' device): return the raw (un-whitened) advantages
 ``[N, R]``, exactly 0 at masked positions, with the recursion of Schulman et al. 2016,
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation", run over the
@@ -286,6 +286,8 @@ def gae_advantages_torch(
     tensor([[2., 0., 2.]])
     """
     _exclusive_ends(bootstrap_value, ends, end_values)
+    if mask is None:
+        return _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_values)
     n, r = rewards.shape
     dtype = rewards.dtype
     c = min(_BLOCK, r)
@@ -322,6 +324,26 @@ def gae_advantages_torch(
     return F.pad(adv_packed, (1, 2)).gather(1, idx)
 
 
+def _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_values) -> Tensor:
+    """``mask=None`` (every step valid): the packed rows are the rows themselves, so the TD errors
+    are formed in place, with the same numbers as an all-True mask and without the packing."""
+    dtype = rewards.dtype
+    next_v = F.pad(values[:, 1:], (0, 1))  # V_{k+1}, 0 after the row's last step
+    if bootstrap_value is not None:
+        rewards = torch.cat([rewards[:, :-1], rewards[:, -1:] + (bootstrap_value.reshape(-1, 1) * gamma).to(dtype)], 1)
+    own = rewards - values
+    stop = None
+    if ends is not None:
+        stop = torch.cat([ends[:, :-1], torch.ones_like(ends[:, -1:])], 1)  # the row's last step ends it
+        next_v = torch.where(stop, end_values.to(dtype), next_v)
+    if isinstance(gamma, Tensor):
+        delta = torch.addcmul(own, next_v, gamma.to(dtype))
+    else:
+        delta = torch.add(own, next_v, alpha=gamma)
+    # contiguous, as the packed path's gather output is: the whitening sums then add in the same order
+    return discounted_reverse_cumsum(delta, gamma * lam, stop=stop).contiguous()
+
+
 def _exclusive_ends(bootstrap_value, ends, end_values) -> None:
     # with ends, the last valid step of each row is an end too (the batch boundary), and its
     # bootstrap is its end value: a separate bootstrap_value would be counted twice
@@ -356,6 +378,8 @@ def gae_advantages_triton(
     """
     select_backend(rewards.device, "triton")  # clear error without CUDA / Triton
     _exclusive_ends(bootstrap_value, ends, end_values)
+    if mask is None:
+        mask = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
     inputs = (rewards, values, bootstrap_value, end_values, gamma, lam)
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     if needs_grad:

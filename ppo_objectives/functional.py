@@ -210,12 +210,15 @@ def _masked_moments(
     (the centred values are 0 at masked positions): three passes over the data, two when
     ``x`` is known to be exactly 0 off the mask (``zero_off_mask``, the raw GAE advantages)."""
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    total, n = (x if zero_off_mask else torch.where(m, x, zero)).sum(), m.sum().to(x.dtype)
+    if m is None:  # every position valid (the GAE of unmasked rows)
+        total, n = x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)
+    else:
+        total, n = (x if zero_off_mask else torch.where(m, x, zero)).sum(), m.sum().to(x.dtype)
     if process_group is not None:
         both = _all_reduce_sum(torch.stack([total.detach(), n]), process_group)
         total, n = total + (both[0] - total.detach()), both[1]
     mean = total / n.clamp(min=1)
-    centred = torch.where(m, x - mean, zero)
+    centred = x - mean if m is None else torch.where(m, x - mean, zero)
     sq = (centred * centred).sum()
     if process_group is not None:
         sq = sq + (_all_reduce_sum(sq, process_group) - sq.detach())
@@ -478,7 +481,7 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
     if token_rewards.dim() < 1:
         raise ValueError("token_rewards must have a time axis: shape [*B, R], got a scalar")
     shape = token_rewards.shape
-    m = _validate.check_mask(mask, shape, "token_rewards")
+    m = None if mask is None else _validate.check_mask(mask, shape, "token_rewards")
     flags = {
         name: None if x is None else _validate.check_mask(x, shape, "token_rewards", name=name)
         for name, x in (("done", done), ("terminated", terminated))
@@ -514,17 +517,17 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
         gamma = gamma.to(cd).reshape(())
     if isinstance(lam, Tensor):
         lam = lam.to(cd).reshape(())
-    m = _rows(m)
+    m = None if m is None else _rows(m)
     ends = end_values = None
     if flags["done"] is not None or flags["terminated"] is not None or next_values is not None:
         rows = lambda x: None if x is None else _rows(x)  # noqa: E731
         nv = None if next_values is None else _rows(next_values.to(cd))
-        ends, end_values = _segment_ends(m, rows(flags["done"]), rows(flags["terminated"]), nv, boot)
+        ends, end_values = _segment_ends(m, r.shape, rows(flags["done"]), rows(flags["terminated"]), nv, boot)
         boot = None
     return r, v, m, gamma, lam, boot, ends, end_values, cd
 
 
-def _segment_ends(m, done, terminated, next_values, boot) -> tuple[Tensor, Tensor]:
+def _segment_ends(m, shape, done, terminated, next_values, boot) -> tuple[Tensor, Tensor]:
     """Trajectory ends of collector rows and the value each end bootstraps from (``[N, R]``).
 
     An end is a valid step with ``done`` (``terminated`` when ``done`` is not given); the
@@ -534,23 +537,23 @@ def _segment_ends(m, done, terminated, next_values, boot) -> tuple[Tensor, Tenso
     (when not done) takes ``bootstrap_value`` (0 if ``None``).
     """
     ended = done if done is not None else terminated
-    if ended is None:
-        ended = torch.zeros_like(m)
-    zero = torch.zeros((), dtype=torch.float32 if next_values is None else next_values.dtype, device=m.device)
+    if ended is None:  # only next_values: one trajectory per row, bootstrapped from its last step
+        ended = torch.zeros(shape, dtype=torch.bool, device=next_values.device)
+    zero = torch.zeros((), dtype=torch.float32 if next_values is None else next_values.dtype, device=ended.device)
     if next_values is not None:
         term = terminated if terminated is not None else ended
         end_values = torch.where(term, zero, next_values)
     else:
         term = ended if terminated is None else ended | terminated
-        row = zero.expand(m.shape) if boot is None else boot.unsqueeze(-1).expand(m.shape)
+        row = zero.expand(shape) if boot is None else boot.unsqueeze(-1).expand(shape)
         end_values = torch.where(term, zero.to(row.dtype), row)
-    return ended & m, end_values
+    return (ended if m is None else ended & m), end_values
 
 
 def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
     """Returns = raw advantages + values; whiten the advantages; zero masked positions."""
     zero = torch.zeros((), dtype=adv_raw.dtype, device=adv_raw.device)
-    returns = torch.where(m, adv_raw + v, zero)
+    returns = adv_raw + v if m is None else torch.where(m, adv_raw + v, zero)
     adv = adv_raw
     if normalize:  # masked_whiten(adv_raw, m), knowing that every kernel writes exact zeros off the mask
         _, var, centred = _masked_moments(adv_raw, m, False, process_group, zero_off_mask=True)
@@ -612,6 +615,8 @@ def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None, 
     next_a = r.new_zeros(N)
     adv = torch.zeros_like(r)
     seen = torch.zeros(N, dtype=torch.bool, device=r.device)  # a valid step lies to the right
+    if m is None:
+        m = torch.ones(r.shape, dtype=torch.bool, device=r.device)
     for t in range(R - 1, -1, -1):
         valid = m[:, t]
         if ends is not None:  # the last valid step of a row ends its trajectory too
@@ -680,7 +685,9 @@ def masked_gae(
     Args:
         token_rewards: ``[*B, R]`` per-token rewards.
         values: ``[*B, R]`` critic values ``V_t``.
-        mask: ``[*B, R]`` bool or {0, 1}, True = token takes part.
+        mask: ``[*B, R]`` bool or {0, 1}, True = token takes part; ``None``:
+            every step takes part (TorchRL collector rows without a mask; the
+            same numbers as an all-True mask, without packing the rows).
         gamma: discount in [0, 1] (MiniMind: 1.0).
         lam: GAE lambda in [0, 1] (MiniMind: 0.95).
         normalize: whiten the advantages (returns always use the raw ones).

@@ -311,7 +311,8 @@ class MaskedGAE(ValueEstimatorBase):
         ref = f"value {keys.value!r}"
         r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
         v = TD.time_last(value, ref, shape, ref)
-        m = TD.mask_or_all(tensordict.get(keys.mask, None), f"mask {keys.mask!r}", shape, ref, v.device)
+        m = tensordict.get(keys.mask, None)  # None: every step takes part (no packing of the rows)
+        m = None if m is None else TD.time_last(m, f"mask {keys.mask!r}", shape, ref)
 
         done = tensordict.get(TD.next_key(keys.done), None)
         terminated = tensordict.get(TD.next_key(keys.terminated), None)

@@ -401,6 +401,25 @@ def test_no_ends_is_the_response_layout_exactly():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape", [(3, 1), (4, 17), (2, 130), (2, 4100)], ids=lambda s: "x".join(map(str, s)))
+def test_no_mask_gives_the_numbers_of_an_all_true_mask_bit_for_bit(shape, dtype, backend):
+    # mask=None skips the packing of the rows; the TD errors and sums are the same operations
+    gen = torch.Generator().manual_seed(shape[-1])
+    r, v, _, boot = make_inputs(*shape, dtype, "all_valid", gen, "cpu")
+    done, term, nv = make_flags(*shape, 0.05, gen, "cpu")
+    ones = torch.ones(shape, dtype=torch.bool)
+    cases = [{}, dict(bootstrap_value=boot), dict(done=done, terminated=term, next_values=nv.to(dtype)),
+             dict(done=done), dict(next_values=nv.to(dtype))]  # fmt: skip
+    for kwargs in cases:
+        for normalize in (True, False):
+            got = masked_gae(r, v, None, 0.99, 0.95, normalize=normalize, backend=backend, **kwargs)
+            want = masked_gae(r, v, ones, 0.99, 0.95, normalize=normalize, backend=backend, **kwargs)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (sorted(kwargs), normalize)
+
+
 @pytest.mark.parametrize("length", [1, 5, 64, 65, 130, 4097])
 @pytest.mark.parametrize("g", [0.0, 0.5, 0.97, 1.0])
 @pytest.mark.parametrize("rate", [0.01, 0.3, 1.0], ids=lambda x: f"stop{x}")
