@@ -45,7 +45,7 @@ from ppo_objectives import _gae_fast; print(\"masked_gae auto backend on cuda:\"
 
 step pytest_cuda 160 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
 
-step bench_gae_cuda 130 "$PY" benchmarks/bench_gae.py --device cuda
+step bench_gae_cuda 150 "$PY" benchmarks/bench_gae.py --device cuda
 
 step bench_logprobs_cuda 110 "$PY" benchmarks/bench_logprobs.py --device cuda
 
