@@ -336,16 +336,15 @@ def check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed):
 
 @pytest.mark.parametrize("backend", ["loop", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 1.0], ids=lambda x: f"done{x}")
+@pytest.mark.parametrize("rate", [0.0, 0.1, 1.0], ids=lambda x: f"done{x}")
 @pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (3, 130)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130)], ids=lambda s: "x".join(map(str, s)))
 def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lam, rate, dtype, backend, device):
     # 130 tokens: two blocks of 64 plus a partial one, so ends fall on and across block boundaries
     check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed=len(shape) * 31 + shape[-1])
 
 
-@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (1.0, 0.95)])
-@pytest.mark.parametrize("rate", [0.001, 0.02, 0.3], ids=lambda x: f"done{x}")
+@pytest.mark.parametrize("gamma,lam,rate", [(1.0, 1.0, 0.001), (0.99, 0.95, 0.02), (1.0, 0.95, 0.3)])
 def test_collector_rows_of_5000_steps_stay_accurate_in_float32(gamma, lam, rate):
     # three levels of blocks; a block holding an end passes nothing on at every level
     check_segment_case((2, 5000), gamma, lam, torch.float32, rate, "torch", "cpu", seed=int(rate * 1000))
@@ -469,7 +468,7 @@ cases += [((2, 200), "holes"), ((1, 1100), "holes")]  # 1100 > 1024: two chunks,
 for shape, kind in cases:
     r, v, m, boot = t.make_inputs(*shape, torch.float32, kind, gen, "cpu")
     done, term, nv = t.make_flags(*shape, 0.05, gen, "cpu")
-    for gamma, lam in [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5)]:
+    for gamma, lam in [(1.0, 1.0), (0.9, 0.5)]:
         g, l = torch.tensor(gamma), torch.tensor(lam)  # the interpreter takes the device-buffer path
         rr, vv, mm, g_, l_, _, ends, ev, _ = F._gae_inputs(r, v, m, g, l, None, done, term, nv.float())
         seg = masked_gae_triton(rr, vv, mm, g_, l_, None, ends, ev)
