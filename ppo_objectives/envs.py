@@ -27,7 +27,7 @@ key                   shape, dtype     meaning
 ``tokens``            ``[N, S]`` int64 prompt (columns ``< P``) then generated tokens
 ``attention_mask``    ``[N, S]`` bool  True = real token (prompt or generated)
 ``position``          ``[N]`` int64    column the next token goes to (``P + step``)
-``action``            ``[N]`` int64    the next token id
+``action``            ``[N]`` int64    the next token id (integer dtype)
 ``("next","reward")`` ``[N, 1]`` f32   sequence score on the last token (+ shaping)
 ``("next","done")``   ``[N, 1]`` bool  ``terminated | truncated``
 ====================  ===============  ==============================================
@@ -351,7 +351,8 @@ class TokenLMEnv(EnvBase):
             ``input_ids`` (+ ``attention_mask``); exhausted iterables restart.
         reward_fn: ``(prompt_ids [k, P], prompt_mask [k, P], response_ids [k, M],
             response_mask [k, M]) -> [k]`` score of each **finished** response (only
-            finished rows are passed), placed on its last token.
+            finished rows are passed), placed on its last token. Exactly ``[k]``: any
+            other shape (``[k, 1]``, a scalar) is an error.
         num_envs: ``N``, the batch of rows.
         prompt_len: ``P``; longer prompts raise.
         max_new_tokens: ``M``; a row that reaches it without EOS is ``truncated``.
@@ -484,7 +485,14 @@ class TokenLMEnv(EnvBase):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
-        action = tensordict.get("action").reshape(N).long()
+        action = tensordict.get("action")
+        if action.is_floating_point() or action.is_complex() or action.dtype == torch.bool:
+            raise TypeError(
+                f"TokenLMEnv.step: action has dtype {action.dtype}, but an action is the next token id; pass an "
+                f"integer tensor (e.g. Categorical(logits=logits).sample() or logits.argmax(-1)); a float action "
+                f"is never rounded or truncated (3.7 is not token 3)"
+            )
+        action = action.reshape(N).long()
         position = tensordict.get("position").reshape(N)
         col = position.clamp(max=S - 1)[:, None]  # a done row stepped again stays in bounds
         tokens = tensordict.get("tokens").scatter(1, col, action[:, None])
@@ -505,7 +513,15 @@ class TokenLMEnv(EnvBase):
         if any_done:  # score finished responses only
             rows = done.nonzero().squeeze(-1)
             score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:])
-            reward[rows] = torch.as_tensor(score, dtype=torch.float32, device=self.device).reshape(-1)
+            score = torch.as_tensor(score, dtype=torch.float32, device=self.device)
+            if score.shape != rows.shape:
+                k = rows.numel()
+                raise ValueError(
+                    f"TokenLMEnv reward_fn returned shape {tuple(score.shape)} for k={k} finished responses; "
+                    f"expected [k] = ({k},), one score per response (the env places it on the response's last "
+                    f"token as ('next', 'reward') [N, 1]); return e.g. score.reshape({k}) or score.squeeze(-1)"
+                )
+            reward[rows] = score
         if self.token_reward_fn is not None:
             reward = reward + self.token_reward_fn(tokens[:, P:], mask[:, P:], position - P).reshape(N).float()
         return TensorDict(
