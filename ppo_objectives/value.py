@@ -71,7 +71,8 @@ class MaskedGAE(ValueEstimatorBase):
     ``("next", "reward")`` reward  [*B, T(, 1)]  per-token reward
     ``"state_value"`` value        [*B, T(, 1)]  critic values at rollout time; computed by
                                                  ``value_network`` when absent
-    ``"mask"`` mask                [*B, T(, 1)]  bool or {0, 1}; optional (all valid)
+    ``"mask"`` mask                [*B, T(, 1)]  bool or {0, 1}; optional: a missing mask
+                                                 counts every step (TorchRL's convention)
     ``("next", "done")`` done      [*B, T(, 1)]  optional, selects the collector form
     ``("next", "terminated")``     [*B, T(, 1)]  optional (defaults to done & ~truncated)
     ``("next", "truncated")``      [*B, T(, 1)]  optional (defaults to done & ~terminated)
@@ -86,6 +87,18 @@ class MaskedGAE(ValueEstimatorBase):
     so in a ``[B]`` TensorDict a ``[B, 1]`` entry (one-token responses) reads as
     one trajectory of ``B`` steps: for ``R == 1`` run on a ``[B, R]`` TensorDict
     of the per-token entries.
+
+    **Missing mask.** Without a ``mask`` entry every step takes part, as in
+    TorchRL's collector batches (which have none); a padded response batch stored
+    without its mask would run GAE through its padding.
+
+    **Non-finite inputs.** Rewards and values may hold anything (NaN, inf) at
+    masked steps. A non-finite reward, value or bootstrap value that reaches a
+    valid step (so the advantages would come out NaN or inf) is a ``ValueError``
+    naming the entry and the first such position. The check reads the result
+    (one host read per call) and is skipped under
+    :func:`~ppo_objectives.functional.value_checks` ``(False)`` and inside
+    ``torch.compile``.
 
     Keys written: ``"advantage"`` and ``"value_target"`` in the layout of the
     value entry (``[*B, T]`` or ``[*B, T, 1]``), exactly 0 at masked steps; the
@@ -323,9 +336,33 @@ class MaskedGAE(ValueEstimatorBase):
         adv, target = F.masked_gae(
             r, v, m, self.gamma, self.lmbda, normalize=self.average_gae, process_group=self.process_group, **ends
         )
+        if _validate.checking_values() and adv.numel():
+            if not bool((torch.isfinite(adv).all() & torch.isfinite(target).all())):
+                self._raise_non_finite(r, v, m, ends.get("next_values"), shape, ref)
         if trailing_one:
             adv, target = adv.unsqueeze(-1), target.unsqueeze(-1)
         return adv, target
+
+    def _raise_non_finite(self, r: Tensor, v: Tensor, m: Tensor | None, nv: Tensor | None, shape, ref) -> None:
+        """The advantages are not finite: name the input and the first valid position that made them so."""
+        keys = self.tensor_keys
+        valid = None if m is None else _validate.check_mask(m, shape, ref)
+        entries = [(f"reward {('next', keys.reward)!r}", r), (f"value {keys.value!r}", v)]
+        if nv is not None:
+            entries.append((f"next value {TD.next_key(keys.value)!r}", nv))
+        for name, x in entries:
+            bad = ~torch.isfinite(x) if valid is None else ~torch.isfinite(x) & valid
+            if bool(bad.any()):
+                pos = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"MaskedGAE: the {name} holds {float(x[pos])} at the valid position {pos}, so the advantages "
+                    f"would be NaN/inf; fix the reward function or the critic there, or mask the step out "
+                    f"(mask False: masked steps may hold anything, they are never read)"
+                )
+        raise ValueError(
+            "MaskedGAE: the advantages are not finite although the rewards and values at the valid steps are "
+            "(an overflow of very large rewards or values); rescale them"
+        )
 
     def _collector_ends(self, tensordict, next_params, shape, done, terminated, truncated) -> dict[str, Tensor]:
         """``done`` / ``terminated`` / ``next_values`` of the collector layout, as ``masked_gae`` takes them."""
