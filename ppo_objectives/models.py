@@ -542,6 +542,14 @@ class HFCausalLMAdapter(nn.Module):
     def forward(self, input_ids, attention_mask=None, *, position_ids=None, compute_logits=True, **unused) -> LMOutput:
         if unused.get("cache") is not None:
             raise ValueError("HFCausalLMAdapter has no per-row KV cache (supports_kv_cache is False)")
+        if _validate.checking_values() and input_ids.numel():  # the embedding's IndexError names nothing
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"HFCausalLMAdapter: input_ids holds token id {lo if lo < 0 else hi}, outside [0, "
+                    f"vocab_size={self.vocab_size}): the embedding cannot look it up; check the tokenizer / env "
+                    f"vocabulary (TokenLMEnv vocab_size) against the model config"
+                )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if position_ids is None:

@@ -117,7 +117,9 @@ class NextTokenLogits(nn.Module):
     goes to), and returns ``logits [N, V]`` (float32) predicted at column
     ``position - 1``. Under ``torch.no_grad()`` it keeps a per-row KV cache
     (module docstring); otherwise, or with extra leading dims, or for a model
-    without ``supports_kv_cache``, it runs a full forward.
+    without ``supports_kv_cache``, it runs a full forward. The positions and the
+    token ids (against the model's ``vocab_size``) are checked in one host read,
+    skipped under :func:`~ppo_objectives.functional.value_checks` ``(False)``.
 
     Example:
         >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig
@@ -161,12 +163,20 @@ class NextTokenLogits(nn.Module):
         attention_mask = attention_mask.bool()
         position = position.reshape(tokens.shape[:-1])
         S = tokens.shape[-1]
-        if _validate.checking_values() and position.numel():
-            lo, hi = torch.stack([position.min(), position.max()]).tolist()
+        if _validate.checking_values() and position.numel():  # one host read for positions and token ids
+            lo, hi, t_lo, t_hi = torch.stack([position.min(), position.max(), tokens.min(), tokens.max()]).tolist()
             if lo < 1 or hi > S:
                 raise ValueError(
                     f"position holds {lo if lo < 1 else hi}, outside [1, {S}] for a token buffer of S={S} columns: "
                     f"position is the column the next token goes to, after at least one prompt token"
+                )
+            V = getattr(self.model, "vocab_size", None)
+            if t_lo < 0 or (V is not None and t_hi >= V):
+                raise ValueError(
+                    f"NextTokenLogits: tokens holds token id {t_lo if t_lo < 0 else t_hi}, outside the model's "
+                    f"vocabulary [0, vocab_size={V}): the env's vocabulary (TokenLMEnv vocab_size) must fit in the "
+                    f"model's; build the model with vocab_size >= env.vocab_size "
+                    f"(e.g. TinyLMConfig.preset(..., vocab_size=env.vocab_size))"
                 )
         with value_checks(False):  # the env validated its tokens; no per-step host syncs for them
             if tokens.dim() != 2 or not self.use_kv_cache or torch.is_grad_enabled():
