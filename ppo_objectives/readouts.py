@@ -145,7 +145,16 @@ def read_log_probs(
 # --------------------------------------------------------------------------- #
 
 
-def _response_len(T: int, prompt_len: int, what: str) -> int:
+def _response_len(input_ids: Tensor, prompt_len: int, what: str, who: str) -> int:
+    """``R = T - P`` of ``[B, T]`` token ids, or an error naming the expected shape."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"{who}: input_ids has shape {shape} but [B, P + R] is expected (one row per response): run it on a "
+            f"TensorDict with batch_size=[B], the response layout of trajectories_to_llm_batch; for one "
+            f"response add the batch dim with td.unsqueeze(0)"
+        )
+    T = input_ids.shape[1]
     if T - prompt_len < 1:
         raise ValueError(
             f"input_ids has T={T} columns but prompt_len={prompt_len}: there is no response to {what}; "
@@ -174,8 +183,8 @@ class ResponseLogProbs(nn.Module):
         self.entropy_grad = entropy_grad
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
-        B, T = input_ids.shape
-        R = _response_len(T, self.prompt_len, "score")
+        R = _response_len(input_ids, self.prompt_len, "score", "ResponseLogProbs")
+        B = input_ids.shape[0]
         logits = self.model(input_ids, attention_mask).logits
         starts = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
         with value_checks(False):  # the positions are in range by construction
@@ -198,8 +207,8 @@ class ResponseValues(nn.Module):
         self.value_head = value_head(model.hidden_size, init="zeros")
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        _response_len(input_ids, self.prompt_len, "value", "ResponseValues")
         T = input_ids.shape[1]
-        _response_len(T, self.prompt_len, "value")
         hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
         return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
 
@@ -270,7 +279,17 @@ def make_actor_critic(
         entropy_grad: let gradients flow through the actor's entropy (needed for an
             entropy bonus; ``False`` makes it a cheaper logged diagnostic).
 
-    The value head is :func:`value_head` with ``init="zeros"``.
+    **The value head starts at zero.** It is :func:`value_head` with
+    ``init="zeros"`` (``w = 0``, ``c = 0``): every value is exactly 0 before the
+    first update, so the first advantages are the returns themselves; and since
+    the value gradient reaching the trunk is ``w`` times the error, the critic
+    trunk (its own copy, or the shared trunk) gets exactly zero value gradient on
+    the first update, and only the head moves. From the second update on the
+    trunk learns too. The training job (``ppo_objectives/train.py``) is built
+    on this default. For a critic whose trunk learns from the first step, replace
+    the head before building the optimizer, e.g.
+    ``ac.critic_head.weight.data.copy_(value_head(H, init="normal").weight)``
+    (the head :class:`CausalLMCritic` uses).
 
     Example:
         >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
