@@ -15,6 +15,7 @@ every number comes from the functional core (``docs/design.md``, "Layers").
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -88,8 +89,23 @@ def _build_value_estimator(value_type: Any, critic_network, hyperparams: dict) -
         return value_type(**hyperparams)
     raise NotImplementedError(
         f"value_type={value_type!r} is not supported by TokenPPOLoss; pass a MaskedGAE instance "
-        "(or ValueEstimators.GAE for collector data)"
+        "(or ValueEstimators.GAE for unmasked collector data)"
     )
+
+
+_GAE_ON_MASKED_DATA = (
+    "TokenPPOLoss: the value estimator is {name}, which reads unmasked collector data [N, T] with ('next', 'done') "
+    "flags, but this batch {why} (the response layout of trajectories_to_llm_batch, or the full-sequence layout "
+    "of LLMToTokenBatch); it would compute on padding and holes, or fail inside TensorDict. Response-layout data "
+    "needs MaskedGAE: loss.make_value_estimator(MaskedGAE(gamma=1.0, lmbda=0.95)) (the default), or store "
+    "'advantage' and 'value_target' before the loss"
+)
+
+_EMPTY_MASK_WARNING = (
+    "TokenPPOLoss: the mask of this batch has no valid token (every entry is False), so every loss term and "
+    "diagnostic is exactly 0 and the update does nothing; this is a likely mistake (a mask built with the wrong "
+    "polarity, or a batch of empty responses). True marks the tokens that take part"
+)
 
 
 class TokenPPOLoss(LossModule):
@@ -116,14 +132,35 @@ class TokenPPOLoss(LossModule):
     the current policy, and optionally ``"entropy"`` ``[B, R]``. ``critic_network``
     reads the same kind of entries and writes ``"state_value"`` ``[B, R]``. Both
     run once per call; the input entries are treated as constants (detached).
+    Their ``in_keys`` are checked on the input before anything runs: a missing
+    entry is a ``KeyError`` naming it and the network (for a raw collector batch:
+    convert it with :func:`~ppo_objectives.layouts.trajectories_to_llm_batch`).
+
+    **Batch shape.** The TensorDict needs at least one batch dimension: ``[B]``
+    (the response layout, ``[B, S]`` inputs next to ``[B, R]`` per-token entries)
+    or ``[*B, R]``. ``in_keys`` lists what the loss reads (``mask``,
+    ``sample_log_prob``, ``advantage``; ``ref_log_prob`` when ``kl_coeff > 0``;
+    ``value_target`` and, with ``clip_value``, ``state_value`` when there is a
+    critic) and the networks' ``in_keys``, so ``td.select(*loss.in_keys)`` keeps
+    exactly the inputs of one call.
+
+    **Missing or empty mask.** Without a ``mask`` entry every token takes part
+    (TorchRL's convention: collector batches have no mask), so a padded batch
+    stored without its mask trains on its padding. A mask with no valid token
+    gives exactly 0 for every term; since that is a likely mistake, the loss warns
+    once (a ``UserWarning``) when a non-empty batch has no valid token; the check
+    reads the mask (one host read) and is skipped under
+    :func:`~ppo_objectives.functional.value_checks` ``(False)`` and ``torch.compile``.
 
     Keys read (names via :meth:`set_keys`; per-token tensors ``[*B, R]`` or ``[*B, R, 1]``):
 
     ======================== =================================================================
     key (field)              meaning
     ======================== =================================================================
-    ``"tokens"`` tokens      token ids; read by the networks (listed in ``in_keys``)
-    ``"mask"`` mask          response tokens that take part (bool or {0, 1}); optional
+    ``"tokens"`` tokens      token ids, if the networks read them (only the networks' in_keys
+                             are listed in ``in_keys``)
+    ``"mask"`` mask          response tokens that take part (bool or {0, 1}); optional: a
+                             missing mask counts every token (TorchRL's convention)
     ``"sample_log_prob"``    log-probs under the sampling policy (required)
     ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_coeff > 0)
     ``"advantage"``          per-token advantages; computed by the value estimator when absent
@@ -365,9 +402,18 @@ class TokenPPOLoss(LossModule):
         return self._functional
 
     def _set_in_keys(self) -> None:
+        """What one call reads: the loss's own entries (those its settings need) and the networks' in_keys."""
         k = self.tensor_keys
-        keys = [k.tokens, k.mask, k.sample_log_prob, k.ref_log_prob, k.advantage, k.value_target, k.value]
-        for net in (self.actor_network, self.critic_network):
+        critic = getattr(self, "_has_critic", True)
+        keys = [k.mask, k.sample_log_prob]
+        if getattr(self, "_requires_ref", True):
+            keys.append(k.ref_log_prob)
+        keys.append(k.advantage)
+        if critic:
+            keys.append(k.value_target)
+            if getattr(self, "clip_value", None) is not None:
+                keys.append(k.value)
+        for net in (self.actor_network, self.critic_network if critic else None):
             for key in getattr(net, "in_keys", []):
                 if key not in keys:
                     keys.append(key)
@@ -406,8 +452,11 @@ class TokenPPOLoss(LossModule):
         a :class:`~torchrl.objectives.value.ValueEstimatorBase` subclass built with
         ``hyperparams`` (for :class:`MaskedGAE` the defaults are ``gamma=1.0,
         lmbda=0.95`` and the critic as ``value_network``), ``None`` (that default),
-        or ``ValueEstimators.GAE`` (TorchRL's GAE, collector data only). The
-        loss's key names are forwarded to the estimator.
+        or ``ValueEstimators.GAE`` (TorchRL's GAE: unmasked collector data ``[N, T]``
+        with done flags only). TorchRL's GAE knows no mask: on response-layout data
+        (a ``mask`` entry, no ``("next", "done")``) the loss refuses to run it and
+        names :class:`MaskedGAE` instead. The loss's key names are forwarded to the
+        estimator.
         """
         value_type = self.default_value_estimator if value_type is None else value_type
         if value_type == ValueEstimators.GAE:
@@ -446,14 +495,61 @@ class TokenPPOLoss(LossModule):
         every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
         """
         td = tensordict.clone(False)
+        if td.batch_dims < 1:
+            raise ValueError(
+                f"TokenPPOLoss: the TensorDict has batch_size={tuple(td.batch_size)} (no batch dimension); expected "
+                f"[B] (the response layout of trajectories_to_llm_batch: [B, S] inputs, [B, R] per-token entries) "
+                f"or [*B, R]; for one response add the batch dim with td.unsqueeze(0)"
+            )
+        self._check_network_inputs(td)
         if td.get(self.tensor_keys.advantage, None) is None:
+            self._check_estimator_fits(td)
             self.value_estimator(td)
         batch = self._read_batch(td)
+        if _validate.checking_values() and batch.mask.numel() and not bool(batch.mask.any()):
+            warnings.warn(_EMPTY_MASK_WARNING, UserWarning, stacklevel=2)
         new_logp, entropy = self._actor_outputs(td, batch)
         out = self._policy_terms(batch, new_logp, entropy, normalizer)
         if self._has_critic:
             self._critic_terms(td, batch, out, normalizer)
         return out
+
+    def _check_network_inputs(self, td: TensorDictBase) -> None:
+        """Every in_key of the actor (and critic) is in ``td``, else a ``KeyError`` naming it and the network.
+
+        Only :class:`~tensordict.nn.TensorDictModule` networks, which need every in_key; other
+        TensorDict modules may read some of theirs optionally and check them themselves."""
+        nets = [("actor_network", self.actor_network)]
+        if self._has_critic:
+            nets.append(("critic_network", self.critic_network))
+        for name, net in nets:
+            if not isinstance(net, TensorDictModule):
+                continue
+            for key in net.in_keys:
+                TD.require(
+                    td, key, module="TokenPPOLoss", what=f"an input of the {name}, whose in_keys are {net.in_keys}",
+                    fix=f"give the batch every entry the {name} reads, or build the {name} with in_keys naming "
+                        f"the batch's entries (the response layout has 'input_ids' and 'attention_mask')",
+                )
+
+    def _check_estimator_fits(self, td: TensorDictBase) -> None:
+        """Refuse TorchRL's (unmasked) GAE on masked or response-layout data, naming MaskedGAE."""
+        estimator = self.value_estimator
+        if isinstance(estimator, MaskedGAE):
+            return
+        from torchrl.objectives.value import GAE
+
+        if not isinstance(estimator, GAE):
+            return
+        keys = td.keys(include_nested=True)
+        k = self.tensor_keys
+        if k.mask in keys:
+            why = f"holds a mask {k.mask!r} that TorchRL's GAE ignores"
+        elif TD.next_key(k.done) not in keys and TD.next_key(k.terminated) not in keys:
+            why = f"has no {TD.next_key(k.done)!r} flags"
+        else:
+            return
+        raise ValueError(_GAE_ON_MASKED_DATA.format(name=type(estimator).__name__, why=why))
 
     def _read_batch(self, td: TensorDictBase) -> _Batch:
         """The rollout entries as ``[*B, R]`` tensors (detached), with errors that name the missing key."""
