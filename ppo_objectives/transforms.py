@@ -152,19 +152,34 @@ class KLPenaltyTransform(Transform):
     ================================ ============== =====================================
     ``"sample_log_prob"`` log_prob   [*B, R(, 1)]   read: sampling policy's log-probs
     ``"ref_log_prob"`` ref_log_prob  [*B, R(, 1)]   read if present, else written
-    ``"mask"`` mask                  [*B, R(, 1)]   read (optional): response tokens
+    ``"mask"`` mask                  [*B, R(, 1)]   read (optional): response tokens;
+                                                    missing: every token counts
     ``("next", "reward")`` reward    [*B, R(, 1)]   read and written (add_to_reward);
                                      or [*B(, 1)]   a sequence score becomes [*B, R(, 1)]
     ``"kl_penalty"`` kl              [*B, R]        written: per-token KL, 0 where masked
     ================================ ============== =====================================
 
-    Where it runs:
+    A missing ``mask`` counts every token (TorchRL's convention: collector
+    batches have none), so the penalty and a sequence score's "last valid token"
+    then cover the padding too; give response batches their mask.
 
-    * **offline / collector postproc / replay buffer**: ``forward(td)`` (and
-      ``inv(td)``, which a replay buffer calls on ``extend``) read and write the
-      keys above. The transform is idempotent: when ``kl_key`` is already present
-      the data are returned unchanged, so a penalty applied by a collector
-      ``postproc`` or on ``extend`` is not applied again on ``sample``.
+    Where it goes: **before the advantages**. With ``add_to_reward=True`` the
+    penalty is part of the reward that :class:`~ppo_objectives.value.MaskedGAE`
+    turns into advantages and value targets, so it must be applied to a batch
+    before GAE runs on it, once per rollout: inside the env, as (part of) a
+    collector ``postproc``, or called on the batch (``ppo_objectives/train.py``
+    calls it between the critic and ``MaskedGAE``). Not in the replay buffer the
+    PPO minibatches are drawn from: PPO computes the advantages once per rollout,
+    before that buffer is filled, so a penalty applied there on ``extend`` or
+    ``sample`` changes a reward that GAE has already read, and the advantages the
+    loss trains on never see it.
+
+    * **offline / collector postproc**: ``forward(td)`` (and ``inv(td)``) read
+      and write the keys above. The transform is idempotent: when ``kl_key`` is
+      already present the data are returned unchanged, so a batch penalised in a
+      collector ``postproc`` is not penalised again if the transform runs on it a
+      second time (in a replay buffer, say, where only the diagnostics
+      ``kl_penalty`` / ``ref_log_prob`` are of use after GAE).
       Ragged batches (a :class:`~tensordict.LazyStackedTensorDict` of responses of
       different lengths, or nested tensors, as TorchRL's LLM collectors produce)
       are handled per response.
