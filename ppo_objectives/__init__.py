@@ -24,6 +24,7 @@ from ppo_objectives.functional import (
     value_checks,
 )
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.layouts import ToLLMBatch
 from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch, bootstrap_from_next_turn
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
 from ppo_objectives.models import (
@@ -52,6 +53,7 @@ __all__ = [
     "NextTokenLogits",
     "TinyCausalLM",
     "TinyLMConfig",
+    "ToLLMBatch",
     "TokenLMEnv",
     "TokenPPOLoss",
     "adaptive_kl_coeff",

@@ -51,8 +51,9 @@ key                              shape         dtype     meaning
 ================================ ============= ========= ==========================================
 
 Written later by the training components (all ``[B, R]``, 0 off the mask
-where they are per-token): ``("next", "reward")`` (the training job copies
-``token_reward`` there; :class:`~ppo_objectives.transforms.KLPenaltyTransform`
+where they are per-token): ``("next", "reward")`` (a copy of ``token_reward``,
+where ``MaskedGAE`` reads it: :class:`ToLLMBatch` writes it, and the training job
+copies it by hand; :class:`~ppo_objectives.transforms.KLPenaltyTransform`
 subtracts the KL penalty from it and writes ``ref_log_prob`` / ``kl_penalty``),
 ``state_value`` (the critic), ``advantage`` / ``value_target``
 (:class:`~ppo_objectives.value.MaskedGAE`), ``log_prob`` / ``entropy`` (the
@@ -144,6 +145,8 @@ converter                           from                                       t
 :func:`trajectories_to_llm_batch`   TokenLMEnv collector batch ``[N, K]``      response layout ``[B]``
                                     (per-token steps; ``[K]`` or ``[W, N, K]``
                                     too)
+:class:`ToLLMBatch`                 the same, as a collector ``postproc``      response layout ``[B]``
+                                                                               with ``("next", "reward")``
 :class:`LLMToTokenBatch`            ``LLMCollector`` turn batch ``[N, K]`` or  full-sequence layout
                                     ``[N * K]`` (ragged per-turn tokens)       ``[B, T]``
 :func:`bootstrap_from_next_turn`    full-sequence layout, ``layout="turn"``,   the same batch, bootstrap
@@ -169,7 +172,7 @@ from ppo_objectives import _td as TD
 from ppo_objectives import _validate
 from ppo_objectives import functional as F
 
-__all__ = ["LLMToTokenBatch", "bootstrap_from_next_turn", "trajectories_to_llm_batch"]
+__all__ = ["LLMToTokenBatch", "ToLLMBatch", "bootstrap_from_next_turn", "trajectories_to_llm_batch"]
 
 
 # --------------------------------------------------------------------------- #
@@ -280,6 +283,64 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
         batch_size=[B],
         device=batch.device,
     )
+
+
+class ToLLMBatch:
+    """A collector ``postproc``: TokenLMEnv trajectories -> the response layout, reward where GAE reads it.
+
+    ``ToLLMBatch(P, M)(batch)`` is :func:`trajectories_to_llm_batch` followed by a copy of
+    ``token_reward`` (the env's per-step reward: the score on the last token plus any
+    shaping) into ``("next", "reward")`` ``[B, R]``, where
+    :class:`~ppo_objectives.value.MaskedGAE` and
+    :class:`~ppo_objectives.transforms.KLPenaltyTransform` read the reward; the copy
+    keeps ``token_reward`` as the env gave it when the KL penalty is subtracted. So a
+    collector built with ``postproc=ToLLMBatch(env.prompt_len, env.max_new_tokens)``
+    yields batches ``[B]`` (one row per finished response) that the critic,
+    ``KLPenaltyTransform``, ``MaskedGAE`` and :class:`~ppo_objectives.loss.TokenPPOLoss`
+    read as they come. It is the first step of ``rollout_batch`` in
+    ``ppo_objectives/train.py``.
+
+    Use it with ``reset_at_each_iter=True`` (as the training job does), or the
+    responses cut by the start of a batch are dropped (see
+    :func:`trajectories_to_llm_batch`). A batch with no finished response gives
+    ``B = 0`` rows.
+
+    Args:
+        prompt_len: ``P``, the env's prompt width (``env.prompt_len``).
+        max_new_tokens: ``M = R``, the env's response budget (``env.max_new_tokens``).
+
+    Example:
+        >>> import torch
+        >>> from torchrl.collectors import Collector
+        >>> from ppo_objectives.envs import DigitTask, TokenLMEnv
+        >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+        >>> from ppo_objectives.policy import make_actor
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=4, seed=0)
+        >>> actor = make_actor(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=16, block_size=6)))
+        >>> collector = Collector(env, actor, frames_per_batch=4 * 3, total_frames=12, reset_at_each_iter=True,
+        ...                       auto_register_policy_transforms=False,
+        ...                       postproc=ToLLMBatch(env.prompt_len, env.max_new_tokens))
+        >>> llm = next(iter(collector))
+        >>> collector.shutdown()
+        >>> llm.batch_dims, llm["next", "reward"].shape[1], torch.equal(llm["next", "reward"], llm["token_reward"])
+        (1, 3, True)
+    """
+
+    def __init__(self, prompt_len: int, max_new_tokens: int):
+        self.prompt_len = _validate.check_int("prompt_len", prompt_len, low=1, where="ToLLMBatch ",
+                                              what=" (the env's prompt width, env.prompt_len)")
+        self.max_new_tokens = _validate.check_int("max_new_tokens", max_new_tokens, low=1, where="ToLLMBatch ",
+                                                  what=" (the env's response budget, env.max_new_tokens)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(prompt_len={self.prompt_len}, max_new_tokens={self.max_new_tokens})"
+
+    def __call__(self, batch: TensorDictBase) -> TensorDict:
+        llm = trajectories_to_llm_batch(batch, self.prompt_len, self.max_new_tokens)
+        llm.set(("next", "reward"), llm.get("token_reward").clone())
+        return llm
 
 
 # --------------------------------------------------------------------------- #
