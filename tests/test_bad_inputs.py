@@ -20,13 +20,19 @@ Categories (``Case.kind``):
 - ``no-eos``: responses that never emit EOS (truncated);
 - ``long-prompt``: prompts / sequences longer than the context;
 - ``empty-batch``: zero rows or zero-length responses;
-- ``token-ids``: token ids outside the vocabulary, actions outside the action space.
+- ``token-ids``: token ids outside the vocabulary, actions outside the action space;
+- ``non-finite``: NaN / inf at valid positions (where they would reach a result);
+- ``layout``: a batch of the wrong layout (a raw collector batch, masked data for TorchRL's GAE).
+
+A case may also expect a warning (``warns``): a likely mistake that TorchRL's conventions
+keep legal is warned about, and the warning is raised as an error for the case.
 """
 
 from __future__ import annotations
 
 import math
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +45,7 @@ from torch import nn
 
 from ppo_objectives import functional as F
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.layouts import ToLLMBatch
 from ppo_objectives.llm_interop import (
     CausalLMCritic,
     CausalLMTokenLogProbs,
@@ -72,6 +79,8 @@ KINDS = (
     "long-prompt",
     "empty-batch",
     "token-ids",
+    "non-finite",
+    "layout",
 )
 
 
@@ -101,6 +110,37 @@ def refuse(id: str, kind: str, call: Callable[[], Any], raises, match: str) -> N
 
 def accept(id: str, kind: str, call: Callable[[], Any], check: Callable[[Any], None]) -> None:
     CASES.append(Case(id, kind, call, check=check))
+
+
+def warns(id: str, kind: str, call: Callable[[], Any], category: type[Warning], match: str) -> None:
+    """``call()`` must warn ``category`` with a message matching ``match`` (raised as an error here)."""
+
+    def as_error():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", category)
+            return call()
+
+    refuse(id, kind, as_error, category, match)
+
+
+def expecting_warning(call: Callable[[], Any], match: str) -> Callable[[], Any]:
+    """``call`` for an ``accept`` case whose input is also warned about (``match``)."""
+
+    def run():
+        with pytest.warns(UserWarning, match=match):
+            return call()
+
+    return run
+
+
+def unchecked(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` under ``functional.value_checks(False)``: the checks that read tensor data are off."""
+
+    def run():
+        with F.value_checks(False):
+            return call()
+
+    return run
 
 
 def close(actual, expected, atol=1e-5, rtol=1e-5):
@@ -716,7 +756,8 @@ refuse("TokenPPOLoss-mask-0.5", "mask-values", lambda: ppo_loss()(ppo_td(mask=to
 accept("TokenPPOLoss-nan-inf-at-masked", "masked-garbage",
        lambda: ppo_loss(clip_value=0.2, kl_coeff=0.02, entropy_coeff=0.01)(ppo_td()), _check_ppo_garbage)
 accept("TokenPPOLoss-empty-mask-all-terms-zero", "mask-empty",
-       lambda: ppo_loss(clip_value=0.2, kl_coeff=0.02, entropy_coeff=0.01)(ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))),
+       expecting_warning(lambda: ppo_loss(clip_value=0.2, kl_coeff=0.02, entropy_coeff=0.01)(
+           ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))), r"no valid token"),
        lambda out: [exactly_zero(out[k].detach()) for k in ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy",
                                                             "clip_fraction", "kl_approx", "entropy", "explained_variance")])
 refuse("TokenPPOLoss-sample-log-prob-on-other-device", "device",
@@ -1280,6 +1321,187 @@ def _cli(argv):
 
     with contextlib.redirect_stderr(io.StringIO()):
         return T.main(argv)
+
+
+# =========================================================================== #
+# What a user working from the README, tutorials and docstrings ran into:
+# mistakes that passed silently, and errors that did not say what to do
+# =========================================================================== #
+
+ALL = torch.ones(2, 4, dtype=torch.bool)
+
+
+def clean(x):
+    """``x`` with its masked garbage replaced by 0 (finite everywhere)."""
+    return torch.where(MASK, x, 0.0)
+
+
+def at(x, pos, value):
+    """A copy of ``x`` holding ``value`` at ``pos``."""
+    x = x.clone()
+    x[pos] = value
+    return x
+
+
+def _step_with_reward(reward_fn):
+    """Two rows of a one-token env; both finish at the first step, so reward_fn gets k = 2 responses."""
+    env = TokenLMEnv(TASK, reward_fn, num_envs=2, prompt_len=4, max_new_tokens=1, vocab_size=16, eos_id=1)
+    td = env.reset()
+    td["action"] = torch.tensor([5, 1])
+    return env.step(td)
+
+
+def _factory(vocab_size=16, P=4, R=4):
+    torch.manual_seed(0)
+    return make_actor_critic(TinyLMConfig.preset("pico", vocab_size=vocab_size, block_size=P + R), P)
+
+
+def _policy_on_env(vocab_size):
+    """The env policy of a model with ``vocab_size`` tokens on a TokenLMEnv of 16 (prompts hold '<' = 14)."""
+    env = TokenLMEnv.from_task(TASK, num_envs=2, seed=0)
+    with torch.no_grad():
+        return _factory(vocab_size).policy(env.reset())
+
+
+def _loss_on_raw_collector_batch():
+    env = TokenLMEnv.from_task(TASK, num_envs=2, seed=0)
+    ac = _factory()
+    with torch.no_grad():
+        batch = env.rollout(4, ac.policy, break_when_any_done=False)  # [N, T] steps, as a collector gives them
+    return TokenPPOLoss(ac.actor, ac.critic)(batch)
+
+
+def _loss_with_critic_reading(key):
+    actor = TensorDictModule(_LogProbNet(entropy=False), in_keys=["tokens"], out_keys=["log_prob"])
+    critic = TensorDictModule(_ValueNet(), in_keys=[key], out_keys=["state_value"])
+    return TokenPPOLoss(actor, critic)(ppo_td())
+
+
+def _torchrl_gae_on_response_layout():
+    from torchrl.objectives.utils import ValueEstimators
+
+    ac = _factory()
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0)
+    loss.make_value_estimator(ValueEstimators.GAE, gamma=1.0, lmbda=0.95)
+    llm = _llm_batch(2, drop=["advantage", "value_target"])
+    llm.set(("next", "reward"), torch.zeros(2, 4))
+    return loss(llm)
+
+
+def _check_nan_reaches_only_its_row(td):
+    adv = td["advantage"]
+    assert torch.isnan(adv[0, :2]).all(), adv  # the checks are off: the NaN goes through, as documented
+    close(adv[1], naive_gae(at(REW, (0, 1), 0.0), VAL, MASK, 1.0, 0.95)[0][1])
+
+
+def _empty_mask_warnings_shown_by_default():
+    """Python's default filter: the warning of three calls on all-False masks is shown once."""
+    loss, td = ppo_loss(), ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for _ in range(3):
+            loss(td)
+    return [w for w in seen if "no valid token" in str(w.message)]
+
+
+def _check_missing_mask_counts_every_token(out):
+    new = -0.1 * (TOKENS.float() + 1) + 0.05
+    close(out["loss_objective"], naive_ppo(new, clean(OLD), clean(ADV), ALL, 0.2))
+    close(out["kl_ref"], naive_k3(new, clean(OLD) - 0.1, ALL))
+
+
+# 1. a float action is not a token id
+refuse("TokenLMEnv-float-action-is-not-truncated-to-a-token", "dtype", lambda: _step_action(3.7),
+       TypeError, r"action has dtype torch\.float32.*pass an integer tensor.*\(3\.7 is not token 3\)")
+refuse("TokenLMEnv-bool-action", "dtype", lambda: _step_action(True), TypeError, r"action has dtype torch\.bool")
+# 2. reward_fn returns exactly [k]
+refuse("TokenLMEnv-reward-fn-returns-k-by-1", "shape",
+       lambda: _step_with_reward(lambda p, pm, r, rm: torch.ones(r.shape[0], 1)),
+       ValueError, r"reward_fn returned shape \(2, 1\) for k=2 finished responses; expected \[k\] = \(2,\).*squeeze\(-1\)")
+refuse("TokenLMEnv-reward-fn-returns-a-scalar", "shape", lambda: _step_with_reward(lambda p, pm, r, rm: torch.tensor(1.0)),
+       ValueError, r"reward_fn returned shape \(\) for k=2 finished responses; expected \[k\]")
+accept("TokenLMEnv-reward-fn-returns-a-list-of-k", "shape",
+       lambda: _step_with_reward(lambda p, pm, r, rm: [0.5, 0.25]),
+       lambda td: close(td["next", "reward"], [[0.5], [0.25]]))
+# 3. NaN / inf at a valid token is refused by MaskedGAE (garbage at masked tokens stays allowed, see above)
+refuse("MaskedGAE-nan-reward-at-a-valid-token", "non-finite",
+       lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__reward=at(REW, (0, 1), NAN))),
+       ValueError, r"reward \('next', 'reward'\) holds nan at the valid position \(0, 1\).*mask the step out")
+refuse("MaskedGAE-inf-value-at-a-valid-token-whitened", "non-finite",
+       lambda: MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(gae_td(state_value=at(VAL, (1, 2), INF))),
+       ValueError, r"value 'state_value' holds inf at the valid position \(1, 2\)")
+refuse("MaskedGAE-nan-bootstrap-value-of-a-truncated-row", "non-finite",
+       lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(
+           next__state_value=at(torch.zeros(2, 4), (1, 3), NAN),
+           next__done=torch.tensor([[False, True, False, False], [False, False, False, True]]),
+           next__truncated=torch.tensor([[False, False, False, False], [False, False, False, True]]))),
+       ValueError, r"next value \('next', 'state_value'\) holds nan at the valid position \(1, 3\)")
+refuse("TokenPPOLoss-nan-reward-at-a-valid-token-via-its-estimator", "non-finite",
+       lambda: ppo_loss()(ppo_td(drop=["advantage"]).set(("next", "reward"), at(REW, (1, 3), NAN))),
+       ValueError, r"MaskedGAE: the reward \('next', 'reward'\) holds nan at the valid position \(1, 3\)")
+accept("MaskedGAE-nan-at-a-valid-token-passes-under-value-checks-off", "non-finite",
+       unchecked(lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__reward=at(REW, (0, 1), NAN)))),
+       _check_nan_reaches_only_its_row)
+# 4. a batch with no valid token: warned about (once, by Python's default filter), still exactly 0
+warns("TokenPPOLoss-all-false-mask-warns", "mask-empty",
+      lambda: ppo_loss()(ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))),
+      UserWarning, r"the mask of this batch has no valid token.*exactly 0.*likely mistake")
+accept("TokenPPOLoss-all-false-mask-warns-once", "mask-empty", _empty_mask_warnings_shown_by_default,
+       lambda shown: len(shown) == 1 or pytest.fail(f"shown {len(shown)} times"))
+accept("TokenPPOLoss-all-false-mask-silent-under-value-checks-off", "mask-empty",
+       unchecked(lambda: ppo_loss()(ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool)))),
+       lambda out: exactly_zero(out["loss_objective"].detach()))
+# 5. a missing mask counts every token (TorchRL's convention, documented in each docstring)
+accept("TokenPPOLoss-missing-mask-counts-every-token", "missing-key",
+       lambda: ppo_loss()(ppo_td(drop=["mask"], sample_log_prob=clean(OLD), ref_log_prob=clean(OLD) - 0.1,
+                                 advantage=clean(ADV), value_target=clean(RET), state_value=clean(VAL))),
+       _check_missing_mask_counts_every_token)
+accept("MaskedGAE-missing-mask-counts-every-step", "missing-key",
+       lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td(drop=["mask"], next__reward=clean(REW), state_value=clean(VAL))),
+       lambda td: close(td["advantage"], naive_gae(clean(REW), clean(VAL), ALL, 0.9, 0.8)[0]))
+accept("KLPenaltyTransform-missing-mask-counts-every-token", "missing-key",
+       lambda: KLPenaltyTransform(coeff=0.1)(kl_td(drop=["mask"], sample_log_prob=clean(NEW), ref_log_prob=clean(OLD),
+                                                   next__reward=clean(REW))),
+       lambda td: close(td["kl_penalty"], clean(NEW) - clean(OLD)))
+# 6. a model vocabulary smaller than the env's
+refuse("NextTokenLogits-model-vocab-smaller-than-the-env's", "token-ids", lambda: _policy_on_env(vocab_size=8),
+       ValueError, r"tokens holds token id 14, outside the model's vocabulary \[0, vocab_size=8\).*"
+                   r"TokenLMEnv vocab_size.*vocab_size >= env\.vocab_size")
+refuse("HFCausalLMAdapter-token-id-outside-vocab", "token-ids", lambda: _hf_adapter()(torch.tensor([[1, 40]])),
+       ValueError, r"HFCausalLMAdapter: input_ids holds token id 40, outside \[0, vocab_size=32\)")
+refuse("make_actor_critic-actor-model-vocab-smaller-than-the-batch's", "token-ids",
+       lambda: _factory(vocab_size=8).actor(_llm_batch(2).set("input_ids", torch.full((2, 8), 12))),
+       ValueError, r"input_ids holds token id 12, outside \[0, vocab_size=8\)")
+# 7. the loss checks its networks' in_keys before calling them
+refuse("TokenPPOLoss-raw-collector-batch", "layout", _loss_on_raw_collector_batch,
+       KeyError, r"no 'input_ids' \(an input of the actor_network.*raw collector batch.*"
+                 r"trajectories_to_llm_batch\(batch, prompt_len, max_new_tokens\)")
+refuse("TokenPPOLoss-actor-input-missing", "missing-key",
+       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_coeff=0.0)(_llm_batch(2, drop=["input_ids"])),
+       KeyError, r"no 'input_ids' \(an input of the actor_network, whose in_keys are \['input_ids', 'attention_mask'\]\); "
+                 r"give the batch every entry the actor_network reads")
+refuse("TokenPPOLoss-critic-input-missing", "missing-key", lambda: _loss_with_critic_reading("prev_tokens"),
+       KeyError, r"no 'prev_tokens' \(an input of the critic_network, whose in_keys are \['prev_tokens'\]\)")
+# 8. a TensorDict without a batch dimension
+refuse("TokenPPOLoss-no-batch-dimension", "shape",
+       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_coeff=0.0)(_llm_batch(1)[0]),
+       ValueError, r"TokenPPOLoss: the TensorDict has batch_size=\(\) \(no batch dimension\); expected \[B\].*td\.unsqueeze\(0\)")
+refuse("ResponseLogProbs-no-batch-dimension", "shape", lambda: _factory().actor(_llm_batch(1)[0]),
+       ValueError, r"ResponseLogProbs: input_ids has shape \(8,\) but \[B, P \+ R\] is expected.*batch_size=\[B\].*td\.unsqueeze\(0\)")
+refuse("ResponseValues-no-batch-dimension", "shape", lambda: _factory().critic(_llm_batch(1)[0]),
+       ValueError, r"ResponseValues: input_ids has shape \(8,\) but \[B, P \+ R\] is expected")
+# 9. TorchRL's GAE on response-layout data
+refuse("TokenPPOLoss-torchrl-gae-on-response-layout", "layout", _torchrl_gae_on_response_layout,
+       ValueError, r"the value estimator is GAE.*holds a mask 'mask' that TorchRL's GAE ignores.*"
+                   r"Response-layout data needs MaskedGAE: loss\.make_value_estimator\(MaskedGAE\(")
+# 10. the collector postproc
+refuse("ToLLMBatch-prompt-len-0", "hyper", lambda: ToLLMBatch(0, 4),
+       ValueError, r"ToLLMBatch prompt_len=0 must be an int >= 1 \(the env's prompt width, env\.prompt_len\)")
+refuse("ToLLMBatch-single-step", "shape", lambda: ToLLMBatch(4, 4)(TokenLMEnv.from_task(TASK, num_envs=1).reset()[0]),
+       ValueError, r"expected a collector batch \[\*N, T\]")
+accept("ToLLMBatch-reward-where-MaskedGAE-reads-it", "no-eos", lambda: ToLLMBatch(4, 4)(_rollout(4)[0]),
+       lambda llm: (close(llm["next", "reward"], llm["token_reward"]), _assert_shape(llm["next", "reward"], (2, 4))))
 
 
 # =========================================================================== #
