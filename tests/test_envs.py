@@ -295,3 +295,59 @@ def test_trajectories_to_llm_batch_keeps_its_old_import_path():
     from ppo_objectives import layouts
 
     assert trajectories_to_llm_batch is layouts.trajectories_to_llm_batch is ppo_objectives.trajectories_to_llm_batch
+
+
+# ----------------------------------------------------------------------------- ToLLMBatch: the collector postproc
+
+
+def _collector(env, policy, postproc=None, batches=1):
+    from torchrl.collectors import Collector
+
+    N, M = env.batch_size[0], env.max_new_tokens
+    return Collector(env, policy, frames_per_batch=N * M, total_frames=batches * N * M, reset_at_each_iter=True,
+                     auto_register_policy_transforms=False, postproc=postproc)
+
+
+def test_to_llm_batch_as_collector_postproc_gives_the_loss_layout_with_the_reward_for_gae():
+    import ppo_objectives
+    from ppo_objectives import layouts
+    from ppo_objectives.loss import TokenPPOLoss
+    from ppo_objectives.models import TinyLMConfig, make_actor_critic
+    from ppo_objectives.transforms import KLPenaltyTransform
+    from ppo_objectives.value import MaskedGAE
+
+    assert ppo_objectives.ToLLMBatch is layouts.ToLLMBatch and "ToLLMBatch" in ppo_objectives.__all__
+    task = DigitTask("reverse", 2)
+    env = TokenLMEnv.from_task(task, num_envs=4, seed=0, token_reward_fn=lambda ids, m, j: 0.1 * (j == 0).float())
+    policy = _policy(task=task, prompt_len=env.prompt_len)
+    P, M = env.prompt_len, env.max_new_tokens
+    post = ppo_objectives.ToLLMBatch(P, M)
+    assert repr(post) == f"ToLLMBatch(prompt_len={P}, max_new_tokens={M})"
+    collector = _collector(env, policy, postproc=post)
+    try:
+        llm = next(iter(collector))
+    finally:
+        collector.shutdown()
+    # the same batch by hand: what users copied from ppo_objectives/train.py (rollout_batch)
+    env2 = TokenLMEnv.from_task(task, num_envs=4, seed=0, token_reward_fn=lambda ids, m, j: 0.1 * (j == 0).float())
+    raw_collector = _collector(env2, policy)
+    try:
+        by_hand = trajectories_to_llm_batch(next(iter(raw_collector)), P, M)
+    finally:
+        raw_collector.shutdown()
+    by_hand.set(("next", "reward"), by_hand["token_reward"].clone())
+    assert llm.batch_size == (4,) and set(llm.keys(True, True)) == set(by_hand.keys(True, True))
+    for key in by_hand.keys(True, True):
+        assert torch.equal(llm[key], by_hand[key]), key
+    assert (llm["score"] == 1).all()  # the scripted policy answers correctly
+    torch.testing.assert_close(llm["next", "reward"][:, 0], torch.full((4,), 0.1))  # the shaping on token 0
+    # it feeds the critic, the KL penalty, MaskedGAE and the loss as it comes
+    torch.manual_seed(0)
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=P + M), P)
+    with torch.no_grad():
+        ac.critic(llm)
+        KLPenaltyTransform(ac.actor, coeff=0.1)(llm)
+        MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(llm)
+    assert not torch.equal(llm["next", "reward"], llm["token_reward"])  # the penalty went into the GAE reward only
+    out = TokenPPOLoss(ac.actor, ac.critic)(llm)
+    assert all(torch.isfinite(out[k]) for k in ("loss_objective", "loss_critic", "loss_kl_ref"))

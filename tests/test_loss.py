@@ -570,3 +570,50 @@ def test_runs_on_every_device(device):
     out = loss(td)
     assert out["loss_objective"].device.type == device.type
     sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+
+
+# --------------------------------------------------------------------------- in_keys: what one call reads
+
+
+def _factory_batch():
+    """A response-layout batch made by the package's own pieces: env + collector postproc, critic, KL, GAE."""
+    from ppo_objectives.envs import DigitTask, TokenLMEnv
+    from ppo_objectives.layouts import ToLLMBatch
+    from ppo_objectives.models import TinyLMConfig, make_actor_critic
+    from ppo_objectives.transforms import KLPenaltyTransform
+
+    torch.manual_seed(0)
+    env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=4, seed=0)
+    P, M = env.prompt_len, env.max_new_tokens
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=P + M), P)
+    with torch.no_grad():
+        llm = ToLLMBatch(P, M)(env.rollout(2 * M, ac.policy, break_when_any_done=False))
+        ac.critic(llm)
+        KLPenaltyTransform(ac.actor, coeff=0.05)(llm)
+        MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(llm)
+    return ac, llm
+
+
+def test_in_keys_list_only_what_the_loss_and_its_networks_read():
+    ac, llm = _factory_batch()
+    loss = TokenPPOLoss(ac.actor, ac.critic)
+    assert "tokens" not in loss.in_keys  # the factory's actor reads input_ids, not tokens
+    assert set(loss.in_keys) == {"mask", "sample_log_prob", "ref_log_prob", "advantage", "value_target",
+                                 "state_value", "input_ids", "attention_mask"}
+    selected = llm.select(*loss.in_keys)  # strict: raises KeyError on a key the batch lacks
+    out, ref = loss(selected), loss(llm)
+    for key in ref.keys():
+        torch.testing.assert_close(out[key], ref[key], msg=key)
+    # the settings decide what is read: no reference KL, no critic -> neither ref_log_prob nor the targets
+    bare = TokenPPOLoss(ac.actor, None, kl_coeff=0.0)
+    assert set(bare.in_keys) == {"mask", "sample_log_prob", "advantage", "input_ids", "attention_mask"}
+    assert set(TokenPPOLoss(ac.actor, ac.critic, clip_value=None).in_keys) == set(loss.in_keys) - {"state_value"}
+    torch.testing.assert_close(bare(llm.select(*bare.in_keys))["loss_objective"], bare(llm)["loss_objective"])
+
+
+def test_the_networks_inputs_are_checked_before_the_value_estimator_runs():
+    ac, llm = _factory_batch()
+    loss = TokenPPOLoss(ac.actor, ac.critic)
+    no_ids = llm.exclude("input_ids", "advantage", "value_target")  # MaskedGAE would call the critic first
+    with pytest.raises(KeyError, match=r"no 'input_ids' \(an input of the actor_network"):
+        loss(no_ids)

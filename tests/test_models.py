@@ -484,3 +484,25 @@ def test_hf_helpers_find_the_decoder_and_name_a_missing_output():
     assert hidden.shape == (1, 3, 16)
     with pytest.raises(TypeError, match="returned no logits; pass a Hugging Face causal LM"):
         hf_forward(decoder, ids, output="logits")
+
+
+@pytest.mark.parametrize("shared_trunk", [False, True])
+def test_make_actor_critic_critic_trunk_gets_no_value_gradient_on_the_first_update(shared_trunk):
+    # as its docstring says: the head starts at w = 0, so d(value)/d(hidden) = w = 0 for the trunk
+    torch.manual_seed(0)
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=8), prompt_len=3,
+                           shared_trunk=shared_trunk)
+    td = TensorDict(input_ids=torch.randint(16, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool), batch_size=[2])
+    values = ac.critic(td)["state_value"]
+    assert (values == 0).all()
+    ((values - 1.0) ** 2).mean().backward()
+    trunk = [p for p in ac.critic_model.parameters() if p.grad is not None]
+    assert trunk and all((p.grad == 0).all() for p in trunk)
+    assert ac.critic_head.weight.grad.abs().sum() > 0 and ac.critic_head.bias.grad.abs().sum() > 0
+    # the docstring's recipe for a head whose trunk learns from the first step
+    from ppo_objectives.readouts import value_head
+
+    ac.critic_head.weight.data.copy_(value_head(ac.critic_head.weight.shape[1], init="normal").weight)
+    ac.critic_model.zero_grad(set_to_none=True)
+    ((ac.critic(td)["state_value"] - 1.0) ** 2).mean().backward()
+    assert any((p.grad != 0).any() for p in ac.critic_model.parameters() if p.grad is not None)
