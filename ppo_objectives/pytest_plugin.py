@@ -1,0 +1,89 @@
+"""pytest fixtures of the testing kit, registered as a pytest plugin when the package is installed.
+
+``pyproject.toml`` registers this module under ``[project.entry-points.pytest11]``,
+so any test file of a project that has ``ppo_objectives`` installed gets these
+fixtures without an import (``-p no:ppo_objectives`` turns them off). Every
+fixture name starts with ``ppo_``; every batch is seeded, so a test sees the
+same numbers on every run. The helpers behind them are in
+:mod:`ppo_objectives.testing`, which is imported on first use (loading the
+plugin costs nothing).
+
+========================== ===============================================================
+fixture                    value
+========================== ===============================================================
+``ppo_testing``            the module :mod:`ppo_objectives.testing` (its assertions and references)
+``ppo_generator``          a CPU ``torch.Generator`` seeded with 0
+``ppo_response_batch``     ``response_batch(seed=0, with_advantage=True)``: ``[4]`` rows, ``R = 6``
+``ppo_full_sequence_batch`` ``full_sequence_batch(seed=0, with_ref_log_prob=True)``: ``[3, 10]``
+``ppo_collector_batch``    ``collector_batch(seed=0)``: ``[3, 8]`` TorchRL rows with done flags
+``ppo_tiny_actor_critic``  ``tiny_actor_critic()``: ``(actor, critic)`` for the response layout
+``ppo_mask_kind``          each of ``MASK_KINDS`` in turn (the test runs once per kind)
+``ppo_masked_response_batch`` ``response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)``
+========================== ===============================================================
+
+Example (a user's ``test_shaper.py``, no import needed)::
+
+    def test_my_shaper_ignores_padding(ppo_masked_response_batch, ppo_testing):
+        ppo_testing.assert_mask_invariant(MyShaper(), ppo_masked_response_batch)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _kit():
+    from ppo_objectives import testing
+
+    return testing
+
+
+@pytest.fixture
+def ppo_testing():
+    """The module ``ppo_objectives.testing``: factories, references, tiny networks and assertions."""
+    return _kit()
+
+
+@pytest.fixture
+def ppo_generator():
+    """A CPU ``torch.Generator`` seeded with 0 (pass it as ``generator=`` to the factories)."""
+    return _kit().make_generator(seed=0)
+
+
+@pytest.fixture
+def ppo_response_batch():
+    """A response-layout batch ``[4]`` (``R = 6``, ``P = 3``, right padding) with values, reference log-probs and advantages."""
+    return _kit().response_batch(seed=0, with_advantage=True)
+
+
+@pytest.fixture
+def ppo_full_sequence_batch():
+    """A full-sequence-layout batch ``[3, 10]`` (holes, ``[B, T, 1]`` flags) with values and reference log-probs."""
+    return _kit().full_sequence_batch(seed=0, with_ref_log_prob=True)
+
+
+@pytest.fixture
+def ppo_collector_batch():
+    """TorchRL collector rows ``[3, 8]`` with done / terminated / truncated flags and next values, no mask."""
+    return _kit().collector_batch(seed=0)
+
+
+@pytest.fixture
+def ppo_tiny_actor_critic():
+    """``(actor, critic)``: deterministic bigram TensorDict modules reading the response layout."""
+    return _kit().tiny_actor_critic()
+
+
+_KINDS = ("right", "left", "holes", "empty_rows", "all_valid", "mixed")  # testing.MASK_KINDS, without importing it
+
+
+@pytest.fixture(params=_KINDS)
+def ppo_mask_kind(request):
+    """Each mask kind of ``ppo_objectives.testing.MASK_KINDS`` in turn."""
+    return request.param
+
+
+@pytest.fixture
+def ppo_masked_response_batch(ppo_mask_kind):
+    """A response-layout batch ``[4]`` with the mask kind of ``ppo_mask_kind`` (one test per kind)."""
+    return _kit().response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)
