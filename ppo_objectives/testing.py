@@ -1115,8 +1115,10 @@ def assert_matches_reference(
     fin_bad = bad & finite
     if bool(fin_bad.any()):
         abs_err = torch.where(fin_bad, err, -1.0)
-        rel_err = torch.where(fin_bad, err / w.abs().clamp(min=torch.finfo(torch.float64).tiny), -1.0)
+        rel_err = torch.where(fin_bad & (w != 0), err / w.abs().clamp(min=torch.finfo(torch.float64).tiny), -1.0)
         for what, e in (("absolute", abs_err), ("relative", rel_err)):
+            if not bool((e >= 0).any()):  # every failing entry has want == 0: no relative error to give
+                continue
             flat = int(e.reshape(-1).argmax())
             idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape)) if g.dim() else ()
             parts.append(

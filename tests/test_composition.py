@@ -134,3 +134,38 @@ def test_input_batch_survives_the_whole_pipeline_unchanged():
     rb.extend(batch)
     TokenPPOLoss(actor, critic)(rb.sample())
     assert (batch == snapshot).all()
+
+
+@pytest.mark.parametrize("layout", ["response", "full"])
+def test_the_pipeline_on_kit_batches_matches_the_references_and_ignores_masked_entries(layout):
+    """KLPenaltyTransform -> MaskedGAE -> TokenPPOLoss on the testing kit's batches of both layouts."""
+    from ppo_objectives import testing
+
+    if layout == "response":
+        batch = testing.response_batch(batch_size=6, response_len=7, mask="mixed", seed=3)
+    else:
+        batch = testing.full_sequence_batch(batch_size=4, seq_len=9, with_ref_log_prob=True, seed=3)
+    actor, critic = testing.tiny_actor_critic(layout=layout, seed=3)
+    kl = KLPenaltyTransform(coeff=0.05)
+    gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)
+    loss = TokenPPOLoss.minimind(actor, critic)
+
+    def pipeline(td):
+        return loss(gae(kl(td)))
+
+    # the KL-penalised rewards and the advantages equal the plain-loop references
+    td = gae(kl(batch.clone()))
+    shape = batch["mask"].shape
+    penalty = testing.reference_kl(batch["sample_log_prob"], batch["ref_log_prob"], "k1", mask=batch["mask"])
+    want_reward = batch["next", "reward"].reshape(shape).double() - 0.05 * penalty
+    testing.assert_matches_reference(td["next", "reward"].reshape(shape), want_reward, name="penalised reward")
+    adv, target = testing.reference_gae_tensordict(td, 1.0, 0.95, average_gae=True)
+    testing.assert_matches_reference(td["advantage"], adv, name="advantage")
+    testing.assert_matches_reference(td["value_target"], target, name="value_target")
+    # and nothing at a masked position reaches a loss term or a diagnostic
+    report = testing.assert_mask_invariant(pipeline, batch)
+    assert ("loss_objective",) in report.outputs and ("loss_critic",) in report.outputs
+    out = pipeline(batch.clone())
+    total = sum(v for k, v in out.items() if k.startswith("loss_"))
+    total.backward()
+    assert all(torch.isfinite(p.grad).all() for p in loss.parameters() if p.grad is not None)

@@ -331,6 +331,18 @@ def test_assert_matches_reference_messages():
     with pytest.raises(AssertionError, match=r"1 non-finite mismatch\(es\), first at \[1\] \(got nan, want 2.0\)"):
         T.assert_matches_reference(nan, torch.tensor([1.0, 2.0, float("inf")]))
     T.assert_matches_reference(torch.tensor(1.0), 1.0)
+    with pytest.raises(AssertionError) as err:  # every failing entry has want == 0: no relative error to report
+        T.assert_matches_reference(torch.tensor([0.0, 0.1]), torch.zeros(2))
+    assert "largest absolute error 0.1 at [1]" in str(err.value) and "relative" not in str(err.value)
+
+
+def test_float64_batches_match_the_references_tightly():
+    td = T.response_batch(mask="holes", dtype=torch.float64, with_advantage=True, seed=11)
+    assert td["state_value"].dtype == torch.float64
+    out = MaskedGAE(gamma=0.99, lmbda=0.9, average_gae=True)(td.clone())
+    adv, target = T.reference_gae_tensordict(td, 0.99, 0.9, average_gae=True)
+    T.assert_matches_reference(out["advantage"], adv, atol=1e-10, rtol=1e-10)
+    T.assert_matches_reference(out["value_target"], target, atol=1e-10, rtol=1e-10)
 
 
 # --------------------------------------------------------------------------- the pytest plugin
