@@ -8,18 +8,18 @@ same numbers on every run. The helpers behind them are in
 :mod:`ppo_objectives.testing`, which is imported on first use (loading the
 plugin costs nothing).
 
-========================== ===============================================================
-fixture                    value
-========================== ===============================================================
-``ppo_testing``            the module :mod:`ppo_objectives.testing` (its assertions and references)
-``ppo_generator``          a CPU ``torch.Generator`` seeded with 0
-``ppo_response_batch``     ``response_batch(seed=0, with_advantage=True)``: ``[4]`` rows, ``R = 6``
-``ppo_full_sequence_batch`` ``full_sequence_batch(seed=0, with_ref_log_prob=True)``: ``[3, 10]``
-``ppo_collector_batch``    ``collector_batch(seed=0)``: ``[3, 8]`` TorchRL rows with done flags
-``ppo_tiny_actor_critic``  ``tiny_actor_critic()``: ``(actor, critic)`` for the response layout
-``ppo_mask_kind``          each of ``MASK_KINDS`` in turn (the test runs once per kind)
-``ppo_masked_response_batch`` ``response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)``
-========================== ===============================================================
+============================== ===============================================================
+fixture                        value
+============================== ===============================================================
+``ppo_testing``                the module :mod:`ppo_objectives.testing` (its assertions and references)
+``ppo_generator``              a CPU ``torch.Generator`` seeded with 0
+``ppo_response_batch``         ``response_batch(seed=0, with_advantage=True)``: ``[4]`` rows, ``R = 6``
+``ppo_full_sequence_batch``    ``full_sequence_batch(seed=0, with_ref_log_prob=True)``: ``[3, 10]``
+``ppo_collector_batch``        ``collector_batch(seed=0)``: ``[3, 8]`` TorchRL rows with done flags
+``ppo_tiny_actor_critic``      ``tiny_actor_critic()``: ``(actor, critic)`` for the response layout
+``ppo_mask_kind``              each of ``MASK_KINDS`` but ``"all_valid"`` in turn (one test per kind)
+``ppo_masked_response_batch``  ``response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)``
+============================== ===============================================================
 
 Example (a user's ``test_shaper.py``, no import needed)::
 
@@ -74,12 +74,13 @@ def ppo_tiny_actor_critic():
     return _kit().tiny_actor_critic()
 
 
-_KINDS = ("right", "left", "holes", "empty_rows", "all_valid", "mixed")  # testing.MASK_KINDS, without importing it
+# testing.MASK_KINDS but "all_valid" (without importing it): every kind with masked positions
+_KINDS = ("right", "left", "holes", "empty_rows", "mixed")
 
 
 @pytest.fixture(params=_KINDS)
 def ppo_mask_kind(request):
-    """Each mask kind of ``ppo_objectives.testing.MASK_KINDS`` in turn."""
+    """Each mask kind of ``ppo_objectives.testing.MASK_KINDS`` that has masked positions (all but ``"all_valid"``)."""
     return request.param
 
 

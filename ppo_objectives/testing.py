@@ -182,6 +182,8 @@ def make_mask(
     - ``"mixed"``: each row of one of the five kinds above, every kind present
       when ``batch_size >= 5``.
 
+    Every kind but ``"all_valid"`` has at least one masked position when ``length > 1``.
+
     Args:
         batch_size: rows ``B``.
         length: columns ``R`` (or ``T``).
@@ -216,6 +218,10 @@ def make_mask(
     else:
         kinds = [kind] * batch_size
     rows = [_row_mask(k, length, g) for k in kinds]
+    if kind != "all_valid" and batch_size and length > 1 and all(all(row) for row in rows):
+        # nothing masked: a batch of this kind is there to exercise masked positions, so shorten one row
+        b, n = _randint(0, batch_size - 1, g), _randint(1, length - 1, g)
+        rows[b] = [j >= length - n for j in range(length)] if kind == "left" else [j < n for j in range(length)]
     return torch.tensor(rows, dtype=torch.bool).reshape(batch_size, length).to(device)
 
 

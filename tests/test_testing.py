@@ -32,6 +32,7 @@ def test_factories_are_seeded(factory):
 @pytest.mark.parametrize("kind", KINDS)
 def test_make_mask_kinds(kind):
     m = T.make_mask(10, 7, kind, seed=1)
+    assert kind == "all_valid" or not T.make_mask(2, 2, kind, seed=1).all()  # something is masked
     assert m.shape == (10, 7) and m.dtype == torch.bool
     pos = torch.arange(7)
     nonempty = m.any(-1)
@@ -362,6 +363,8 @@ def test_fixtures_without_imports(ppo_response_batch, ppo_full_sequence_batch, p
 def test_mask_kinds(ppo_mask_kind, ppo_masked_response_batch, ppo_testing):
     assert ppo_mask_kind in ppo_testing.MASK_KINDS
     assert ppo_masked_response_batch["mask"].shape == (4, 6)
+    actor, _ = ppo_testing.tiny_actor_critic()
+    ppo_testing.assert_mask_invariant(actor, ppo_masked_response_batch, zero_at_masked=False)
 
 def test_generator(ppo_generator):
     assert isinstance(ppo_generator, torch.Generator)
@@ -372,6 +375,6 @@ def test_the_pytest_plugin_gives_fixtures_without_imports(pytester):
     pytester.makepyfile(test_user=USER_TEST)
     quiet = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # hypothesis' plugin costs a second a run
     result = pytester.runpytest(*quiet)
-    result.assert_outcomes(passed=2 + len(KINDS))
+    result.assert_outcomes(passed=2 + len(KINDS) - 1)  # every kind but all_valid
     result = pytester.runpytest(*quiet, "-p", "no:ppo_objectives", "-k", "generator")
     result.assert_outcomes(errors=1)  # the fixtures come from the plugin, nothing else
