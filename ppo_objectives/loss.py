@@ -142,13 +142,15 @@ class TokenPPOLoss(LossModule):
     ``sample_log_prob``, ``advantage``; ``ref_log_prob`` when ``kl_coeff > 0``;
     ``value_target`` and, with ``clip_value``, ``state_value`` when there is a
     critic) and the networks' ``in_keys``, so ``td.select(*loss.in_keys)`` keeps
-    exactly the inputs of one call.
+    the inputs of one call on a batch whose advantages are computed (the value
+    estimator's entries, read only when ``advantage`` is missing, are not listed).
 
     **Missing or empty mask.** Without a ``mask`` entry every token takes part
     (TorchRL's convention: collector batches have no mask), so a padded batch
     stored without its mask trains on its padding. A mask with no valid token
     gives exactly 0 for every term; since that is a likely mistake, the loss warns
-    once (a ``UserWarning``) when a non-empty batch has no valid token; the check
+    (a ``UserWarning``, shown once by Python's default warning filter) when a
+    non-empty batch has no valid token; the check
     reads the mask (one host read) and is skipped under
     :func:`~ppo_objectives.functional.value_checks` ``(False)`` and ``torch.compile``.
 
