@@ -21,16 +21,16 @@ Shape letters:
 
 Observation / action / reward (all TensorDict keys at the root):
 
-====================  ===============  ==============================================
-key                   shape, dtype     meaning
-====================  ===============  ==============================================
-``tokens``            ``[N, S]`` int64 prompt (columns ``< P``) then generated tokens
-``attention_mask``    ``[N, S]`` bool  True = real token (prompt or generated)
-``position``          ``[N]`` int64    column the next token goes to (``P + step``)
-``action``            ``[N]`` int64    the next token id (integer dtype)
-``("next","reward")`` ``[N, 1]`` f32   sequence score on the last token (+ shaping)
-``("next","done")``   ``[N, 1]`` bool  ``terminated | truncated``
-====================  ===============  ==============================================
+=====================  ================  ==============================================
+key                    shape, dtype      meaning
+=====================  ================  ==============================================
+``tokens``             ``[N, S]`` int64  prompt (columns ``< P``) then generated tokens
+``attention_mask``     ``[N, S]`` bool   True = real token (prompt or generated)
+``position``           ``[N]`` int64     column the next token goes to (``P + step``)
+``action``             ``[N]`` int64     the next token id (integer dtype)
+``("next","reward")``  ``[N, 1]`` f32    sequence score on the last token (+ shaping)
+``("next","done")``    ``[N, 1]`` bool   ``terminated | truncated``
+=====================  ================  ==============================================
 
 Example (the reverse task, a scripted policy that answers correctly):
     >>> import torch

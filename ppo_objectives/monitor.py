@@ -3,14 +3,14 @@
 A token-level PPO run on a language model fails in a few recognisable ways, each
 visible in one logged metric of :mod:`ppo_objectives.train` (one row per iteration):
 
-============== ================================================================== =====================
-flag           what it means                                                      metric, default limit
-============== ================================================================== =====================
-``min_len``    responses stuck at their shortest (EOS first)                      ``response_len <= min_response_len + 0.5``
-``zero_reward`` the task score is gone                                            ``reward < 0.05``
-``entropy``    the policy became deterministic without solving the task           ``entropy < 0.05 and exact < 0.5``
-``kl_spike``   one step jumped far past the trust region                         ``kl_approx_max > 1.0``
-============== ================================================================== =====================
+=============== ================================================================== =====================
+flag            what it means                                                      metric, default limit
+=============== ================================================================== =====================
+``min_len``     responses stuck at their shortest (EOS first)                      ``response_len <= min_response_len + 0.5``
+``zero_reward`` the task score is gone                                             ``reward < 0.05``
+``entropy``     the policy became deterministic without solving the task           ``entropy < 0.05 and exact < 0.5``
+``kl_spike``    one step jumped far past the trust region                          ``kl_approx_max > 1.0``
+=============== ================================================================== =====================
 
 The first three are *bad iterations*; ``patience`` bad iterations in a row make a
 **collapse** (the run is not learning any more and will not recover by itself in

@@ -33,7 +33,7 @@ and the logged metrics are over all ranks. Only rank 0 writes metrics, plot and
 checkpoint; the run ends by checking that the parameters are identical on every rank.
 
 Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/training.png``)
-------------------------------------------------------------------------------------
+----------------------------------------------------------------------------------------
 
 ``iteration``
     PPO iteration (one rollout + its updates), counted from 1.
