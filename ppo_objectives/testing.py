@@ -1199,7 +1199,9 @@ def assert_mask_invariant(
     corrupted, and every bool per-token entry under ``"next"`` (TorchRL's
     ``done`` / ``terminated`` / ``truncated``) is flipped; integer entries (token
     ids) and root bool entries (``mask``, ``attention_mask``) are left alone,
-    since a network legitimately reads the tokens of holes as context.
+    since a network legitimately reads the tokens of holes as context. The
+    module must be deterministic (no dropout: put it in ``eval()`` mode), since
+    its runs are compared exactly by default.
 
     Args:
         module: called as ``module(td)``; returns a TensorDict (``MaskedGAE``,

@@ -304,6 +304,10 @@ def test_assert_mask_invariant_catches_leaky_modules():
     col = T.collector_batch(num_envs=3, steps=8, mask="holes", seed=10)
     with pytest.raises(AssertionError, match=r"random garbage .* changed output \('n_done',\)"):
         T.assert_mask_invariant(_ReadsMaskedFlags(), col, zero_at_masked=False)
+    rep = T.assert_mask_invariant(_LeakyCentring(), td, corrupt_keys=["state_value"], out_keys=[("next", "reward")])
+    assert rep.corrupted == [("state_value",)]  # the reward alone is read: corrupting something else is harmless
+    with pytest.raises(ValueError, match="only per-token entries"):
+        T.assert_mask_invariant(_LeakyCentring(), td, corrupt_keys=["score"])
     with pytest.raises(ValueError, match="no masked position"):
         T.assert_mask_invariant(MaskedGAE(gamma=1.0, lmbda=1.0), T.response_batch(mask="all_valid"))
     with pytest.raises(KeyError, match="no mask"):
