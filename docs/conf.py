@@ -64,7 +64,7 @@ class TutorialsDirective(Directive):
 
     def run(self):
         lines: list[str] = []
-        for path in sorted((ROOT / "tutorials").glob("*.py")):
+        for path in sorted(p for p in (ROOT / "tutorials").glob("*.py") if not p.name.startswith("_")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
             doc = ast.get_docstring(tree) or path.stem
             head, _, body = doc.partition("\n")
