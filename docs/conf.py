@@ -6,7 +6,9 @@ Build: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
+import typing
 import importlib.util
 import sys
 from pathlib import Path
@@ -121,10 +123,22 @@ def _escape_table_shapes(app, what, name, obj, options, lines):
 
 # TorchRL's base classes (EnvBase, LossModule, ValueEstimatorBase, ...) define ``__new__(cls, *args,
 # **kwargs)``, which autodoc reads as the class signature; show the class's own ``__init__`` instead.
+# A dataclass's generated ``__init__`` keeps its annotations as strings (``from __future__ import
+# annotations``): show the evaluated field types.
 def _init_signature(app, what, name, obj, options, signature, return_annotation):
-    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+    if what != "class" or not signature:
         return None
-    sig = sphinx_inspect.signature(obj.__init__, bound_method=True, type_aliases=app.config.autodoc_type_aliases)
+    if signature == "(*args, **kwargs)" and "__init__" in vars(obj):
+        sig = sphinx_inspect.signature(obj.__init__, bound_method=True, type_aliases=app.config.autodoc_type_aliases)
+    elif dataclasses.is_dataclass(obj) and ": '" in signature:
+        try:
+            hints = typing.get_type_hints(obj)
+        except Exception:  # an annotation that does not evaluate: keep autodoc's signature
+            return None
+        sig = sphinx_inspect.signature(obj.__init__, bound_method=True)
+        sig = sig.replace(parameters=[p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()])
+    else:
+        return None
     return sphinx_inspect.stringify_signature(sig, show_return_annotation=False, unqualified_typehints=True), None
 
 
