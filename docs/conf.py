@@ -8,9 +8,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-import typing
-import importlib.util
 import sys
+import typing
 from pathlib import Path
 
 from docutils.parsers.rst import Directive
@@ -81,6 +80,7 @@ class TutorialsDirective(Directive):
                       f"   :caption: tutorials/{path.name}", ""]
         self.state_machine.insert_input(StringList(lines, source=str(ROOT / "tutorials")), str(ROOT / "tutorials"))
         return []
+
 
 # Shapes such as ``[*B, T]`` written bare in the cells of a simple table (MaskedGAE's and
 # KLPenaltyTransform's key tables) read as the start of *emphasis* in RST. Escape a bare ``[*``
