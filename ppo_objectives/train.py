@@ -121,6 +121,20 @@ diagnostics are the mean of the ranks' values.
 The plot ``DIR/training.png`` is redrawn at every checkpoint, one axis per signal
 (:func:`ppo_objectives.monitor.plot_metrics`).
 
+TorchRL loggers: ``--logger csv|tensorboard|wandb|mlflow`` (default ``none``: ``metrics.csv``
+only) also sends every column of the row to a ``torchrl.record.loggers`` logger,
+``log_scalar(name, value, step=iteration)``, under ``DIR/logs``: ``csv`` writes
+``DIR/logs/NAME/scalars/<column>.csv`` (``step,value`` lines; ``NAME`` is the last part of
+``DIR``), ``tensorboard`` event files in ``DIR/logs/NAME`` (``tensorboard --logdir DIR/logs``),
+``wandb`` an offline run in ``DIR/logs/wandb`` (``WANDB_MODE=online`` logs live; ``wandb sync``
+uploads an offline run), ``mlflow`` a local tracking store, ``DIR/logs/mlflow.db`` (SQLite;
+artifacts in ``DIR/logs/mlartifacts``; ``mlflow ui --backend-store-uri sqlite:///DIR/logs/mlflow.db``).
+``metrics.csv`` is written as without a logger. Only rank 0 logs. ``--resume`` continues at the
+checkpoint's iteration: CSV rows and TensorBoard events logged after it are dropped, the W&B run
+is continued under its id, MLflow starts a new run of the same experiment. The packages are in
+the ``loggers`` extra (``pip install "ppo_objectives[loggers]"``; ``csv`` needs none); a missing
+one is an ``ImportError`` naming it, raised before the run starts.
+
 Checkpoints: ``DIR/checkpoint.pt`` (actor, critic, reference, both optimizers, KL
 controller, collapse guard, RNG states of every rank, iteration; no learning-rate scheduler is
 used), written atomically (temporary file +
@@ -135,8 +149,8 @@ Top to bottom, like a single-file RL script: the configuration (every field a CL
 flag), the pieces the job builds (collector, warm start, frozen reference), the
 algorithm (:func:`rollout_batch`, :func:`ppo_update`), and :func:`train`, whose
 loop is rollout -> update -> log -> checkpoint. What the job needs around that --
-DDP, checkpoints, RNG states, the metrics CSV, optimizer snapshots -- is in the
-internal module ``ppo_objectives/_plumbing.py``.
+DDP, checkpoints, RNG states, the metrics CSV and the TorchRL loggers, optimizer
+snapshots -- is in the internal module ``ppo_objectives/_plumbing.py``.
 """
 
 from __future__ import annotations
@@ -229,11 +243,16 @@ class TrainConfig:
     save_every: int = _f(25, "iterations between checkpoints")
     no_plot: bool = _f(False, "do not write training.png")
     no_progress: bool = _f(False, "no progress bar")
+    logger: str = _f("none", "also log every metric to a TorchRL logger under OUT/logs (offline; rank 0); the "
+                             'packages: pip install "ppo_objectives[loggers]"',
+                     choices=("none", *_plumbing.LOGGERS))
     threads: int = _f(1, "torch CPU threads for this run (0 = torch's default); one thread is fastest for "
                          "tiny models, and far faster when other processes share the cores")
 
     def __post_init__(self):
         DigitTask(self.task, self.digits)  # the task checks its own arguments
+        if self.logger not in ("none", *_plumbing.LOGGERS):
+            raise ValueError(f"TrainConfig logger={self.logger!r} must be one of {('none', *_plumbing.LOGGERS)}")
         for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
                      "warmup_steps", "threads"):
             low = 0 if name in ("iterations", "warmup_steps", "threads") else 1
@@ -675,6 +694,7 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
     """
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
+    _plumbing.check_logger(cfg.logger)  # its package is missing: say so now, not after the warm start
     if cfg.shared_trunk and _plumbing.launched_world_size() > 1:
         raise ValueError(
             "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
@@ -728,7 +748,7 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
 
     # --- the loop: rollout -> update -> log -> checkpoint
     rows: list[dict[str, float]] = []
-    bar = _progress_bar(cfg, d, start_it)  # rank 0, unless --no-progress
+    bar, logger = _reporters(cfg, d, start_it, out)  # rank 0: progress bar (unless --no-progress), --logger
     try:
         for it in range(start_it, cfg.iterations):
             # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
@@ -748,7 +768,7 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
             # 4. log: the metrics row, the collapse guard's warn_* / collapse columns and warning lines
             row = dict(iteration=it + 1, **roll, kl_coeff=float(coeff), rollout_s=t1 - t0, update_s=t2 - t1,
                        tokens_per_s=n_tok / max(t1 - t0, 1e-9), **stats)
-            rows.append(_log_iteration(row, guard, d, out, bar))
+            rows.append(_log_iteration(row, guard, d, out, bar, logger))
             # 5. checkpoint (and plot) every --save-every iterations and at the end
             if (it + 1) % cfg.save_every == 0 or it + 1 == cfg.iterations:
                 _checkpoint(it + 1, cfg, d, stateful, _plumbing.rng_states(gen, env._generator, device), out)
@@ -756,8 +776,7 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
         if pg is not None and d.main:
             print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
     finally:  # --- teardown
-        if bar is not None:
-            bar.close()
+        _close_reporters(bar, logger)
         collector.shutdown()
         del loss_module, actor, critic
         ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
@@ -786,20 +805,33 @@ def _resume(ckpt: dict, stateful: dict, d: _plumbing.Dist, out: Path) -> int:
     return start_it
 
 
-def _progress_bar(cfg: TrainConfig, d: _plumbing.Dist, start_it: int):
-    if cfg.no_progress or not d.main:
-        return None
+def _reporters(cfg: TrainConfig, d: _plumbing.Dist, start_it: int, out: Path) -> tuple:
+    """Rank 0's progress bar (``None`` with ``--no-progress``) and ``--logger``'s TorchRL logger
+    (``None`` without one; under ``out/logs``, named after ``out``, continuing after ``start_it``)."""
+    if not d.main:
+        return None, None
+    logger = _plumbing.make_logger(cfg.logger, out, out.resolve().name, start_step=start_it)
+    if cfg.no_progress:
+        return None, logger
     from tqdm import tqdm
 
-    return tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True)
+    return tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True), logger
 
 
-def _log_iteration(row: dict, guard: CollapseGuard, d: _plumbing.Dist, out: Path, bar) -> dict:
-    """Add the collapse guard's columns to ``row``; on rank 0 append it to ``metrics.csv`` and print the
-    guard's warnings; show it on the progress bar. Returns ``row``."""
+def _close_reporters(bar, logger) -> None:
+    if bar is not None:
+        bar.close()
+    _plumbing.close_logger(logger)
+
+
+def _log_iteration(row: dict, guard: CollapseGuard, d: _plumbing.Dist, out: Path, bar, logger=None) -> dict:
+    """Add the collapse guard's columns to ``row``; on rank 0 append it to ``metrics.csv``, send it to
+    the ``--logger`` (step: the iteration) and print the guard's warnings; show it on the progress bar.
+    Returns ``row``."""
     warnings_now = guard.update(row)
     if d.main:
         _plumbing.append_metrics(out / "metrics.csv", row, METRICS)
+        _plumbing.log_row(logger, row, int(row["iteration"]), METRICS)
         for line in warnings_now:
             _plumbing.warn(line, bar)
     if bar is not None:

@@ -1,0 +1,124 @@
+"""``--logger``: the training job's metrics through ``torchrl.record.loggers`` (CSV, TensorBoard)."""
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ppo_objectives import _plumbing
+from ppo_objectives import train as T
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress", "--no-plot"]
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+needs_tensorboard = pytest.mark.skipif(
+    not HAS_TENSORBOARD, reason='tensorboard is not installed (pip install "ppo_objectives[test]")'
+)
+
+
+def _run(out, iterations, *flags):
+    T.main(["--iterations", str(iterations), "--out", str(out), *SMALL, *flags])
+    return T.read_metrics(out / "metrics.csv")
+
+
+def _expected(rows):
+    """What the logger should hold: ``{column: [(iteration, value), ...]}`` from ``metrics.csv``."""
+    return {k: [(int(r["iteration"]), r[k]) for r in rows] for k in T.METRICS if k != "iteration"}
+
+
+def _csv_scalars(out):
+    scalars = out / "logs" / out.name / "scalars"
+    logged = {}
+    for path in scalars.glob("*.csv"):
+        pairs = [line.split(",") for line in path.read_text().split()]
+        logged[path.stem] = [(int(step), float(value)) for step, value in pairs]
+    return logged
+
+
+def _tensorboard_scalars(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "logs" / out.name))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _as_float32(expected):
+    return {k: [(s, float(np.float32(v))) for s, v in pairs] for k, pairs in expected.items()}
+
+
+def test_csv_logger_gets_every_metric_of_metrics_csv_at_its_iteration(tmp_path):
+    out = tmp_path / "run"
+    rows = _run(out, 2, "--logger", "csv")
+    assert [r["iteration"] for r in rows] == [1.0, 2.0]
+    assert set(rows[0]) == set(T.METRICS)  # metrics.csv keeps its columns
+    assert _csv_scalars(out) == _expected(rows)  # every value exactly (float repr round-trips)
+
+
+@needs_tensorboard
+def test_tensorboard_logger_event_file_holds_the_scalars_of_metrics_csv(tmp_path):
+    out = tmp_path / "run"
+    rows = _run(out, 2, "--logger", "tensorboard")
+    assert _tensorboard_scalars(out) == _as_float32(_expected(rows))  # TensorBoard stores float32
+
+
+@pytest.mark.parametrize("kind", ["csv", pytest.param("tensorboard", marks=needs_tensorboard)])
+def test_resume_logs_on_from_the_checkpoint_and_drops_what_was_logged_after_it(tmp_path, kind):
+    out = tmp_path / "run"
+    _run(out, 2, "--logger", kind)
+    shutil.copy(out / "checkpoint.pt", tmp_path / "at_2.pt")
+    _run(out, 3, "--logger", kind, "--resume")  # logs iteration 3, then "dies": the checkpoint goes back to 2
+    shutil.copy(tmp_path / "at_2.pt", out / "checkpoint.pt")
+    rows = _run(out, 4, "--logger", kind, "--resume")
+    assert [r["iteration"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    expected = _expected(rows)
+    if kind == "csv":
+        assert _csv_scalars(out) == expected
+    else:
+        assert _tensorboard_scalars(out) == _as_float32(expected)  # iteration 3 once: the old one is purged
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_alone_logs(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "ppo_objectives.train", "--iterations", "2", "--out", str(out), *SMALL, "--logger", "csv"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (out / "logs").iterdir()] == ["run"]
+    assert _csv_scalars(out) == _expected(T.read_metrics(out / "metrics.csv"))  # each step once, not per rank
+
+
+def test_without_logger_only_metrics_csv_is_written(tmp_path):
+    out = tmp_path / "run"
+    _run(out, 1)
+    assert not (out / "logs").exists()
+    assert _plumbing.make_logger("none", out, "run") is None and _plumbing.make_logger(None, out, "run") is None
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb", "mlflow"])
+def test_a_missing_logger_package_is_a_clear_error_before_the_run_starts(tmp_path, monkeypatch, kind):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == kind else find_spec(name, *a))
+    out = tmp_path / "run"
+    with pytest.raises(ImportError, match=rf'--logger {kind} needs the {kind} package.*"ppo_objectives\[loggers\]"'):
+        T.main(["--iterations", "1", "--out", str(out), "--logger", kind, *SMALL])
+    assert not out.exists()  # raised before anything ran
+
+
+def test_logger_flag_is_documented_and_checked():
+    assert "--logger" in T.build_parser().format_help() and "--logger" in T.__doc__
+    with pytest.raises(ValueError, match="TrainConfig logger='bogus' must be one of"):
+        T.TrainConfig(logger="bogus")
+    with pytest.raises(SystemExit):
+        T.build_parser().parse_args(["--logger", "bogus"])
