@@ -404,22 +404,7 @@ class TokenPPOLoss(LossModule):
         return self._functional
 
     def _set_in_keys(self) -> None:
-        """What one call reads: the loss's own entries (those its settings need) and the networks' in_keys."""
-        k = self.tensor_keys
-        critic = getattr(self, "_has_critic", True)
-        keys = [k.mask, k.sample_log_prob]
-        if getattr(self, "_requires_ref", True):
-            keys.append(k.ref_log_prob)
-        keys.append(k.advantage)
-        if critic:
-            keys.append(k.value_target)
-            if getattr(self, "clip_value", None) is not None:
-                keys.append(k.value)
-        for net in (self.actor_network, self.critic_network if critic else None):
-            for key in getattr(net, "in_keys", []):
-                if key not in keys:
-                    keys.append(key)
-        self._in_keys = keys
+        self._in_keys = _loss_in_keys(self)
 
     @property
     def in_keys(self):
@@ -497,15 +482,13 @@ class TokenPPOLoss(LossModule):
         every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
         """
         td = tensordict.clone(False)
-        if td.batch_dims < 1:
-            raise ValueError(
-                f"TokenPPOLoss: the TensorDict has batch_size={tuple(td.batch_size)} (no batch dimension); expected "
-                f"[B] (the response layout of trajectories_to_llm_batch: [B, S] inputs, [B, R] per-token entries) "
-                f"or [*B, R]; for one response add the batch dim with td.unsqueeze(0)"
-            )
-        self._check_network_inputs(td)
+        _check_batch_dims(td)
+        nets = {"actor_network": self.actor_network}
+        if self._has_critic:
+            nets["critic_network"] = self.critic_network
+        _check_network_inputs(td, nets)
         if td.get(self.tensor_keys.advantage, None) is None:
-            self._check_estimator_fits(td)
+            _check_estimator_fits(self.value_estimator, td, self.tensor_keys)
             self.value_estimator(td)
         batch = self._read_batch(td)
         if _validate.checking_values() and batch.mask.numel() and not bool(batch.mask.any()):
@@ -515,43 +498,6 @@ class TokenPPOLoss(LossModule):
         if self._has_critic:
             self._critic_terms(td, batch, out, normalizer)
         return out
-
-    def _check_network_inputs(self, td: TensorDictBase) -> None:
-        """Every in_key of the actor (and critic) is in ``td``, else a ``KeyError`` naming it and the network.
-
-        Only :class:`~tensordict.nn.TensorDictModule` networks, which need every in_key; other
-        TensorDict modules may read some of theirs optionally and check them themselves."""
-        nets = [("actor_network", self.actor_network)]
-        if self._has_critic:
-            nets.append(("critic_network", self.critic_network))
-        for name, net in nets:
-            if not isinstance(net, TensorDictModule):
-                continue
-            for key in net.in_keys:
-                TD.require(
-                    td, key, module="TokenPPOLoss", what=f"an input of the {name}, whose in_keys are {net.in_keys}",
-                    fix=f"give the batch every entry the {name} reads, or build the {name} with in_keys naming "
-                        f"the batch's entries (the response layout has 'input_ids' and 'attention_mask')",
-                )
-
-    def _check_estimator_fits(self, td: TensorDictBase) -> None:
-        """Refuse TorchRL's (unmasked) GAE on masked or response-layout data, naming MaskedGAE."""
-        estimator = self.value_estimator
-        if isinstance(estimator, MaskedGAE):
-            return
-        from torchrl.objectives.value import GAE
-
-        if not isinstance(estimator, GAE):
-            return
-        keys = td.keys(include_nested=True)
-        k = self.tensor_keys
-        if k.mask in keys:
-            why = f"holds a mask {k.mask!r} that TorchRL's GAE ignores"
-        elif TD.next_key(k.done) not in keys and TD.next_key(k.terminated) not in keys:
-            why = f"has no {TD.next_key(k.done)!r} flags"
-        else:
-            return
-        raise ValueError(_GAE_ON_MASKED_DATA.format(name=type(estimator).__name__, why=why))
 
     def _read_batch(self, td: TensorDictBase) -> _Batch:
         """The rollout entries as ``[*B, R]`` tensors (detached), with errors that name the missing key."""
@@ -646,6 +592,68 @@ class TokenPPOLoss(LossModule):
             out.set("value_clip_fraction", vstats["value_clip_fraction"])
         out.set("loss_critic", self.critic_coeff * loss_critic)
         out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
+
+
+def _loss_in_keys(loss: TokenPPOLoss) -> list:
+    """What one call reads: the loss's own entries (those its settings need) and the networks' in_keys."""
+    k = loss.tensor_keys
+    critic = getattr(loss, "_has_critic", True)
+    keys = [k.mask, k.sample_log_prob]
+    if getattr(loss, "_requires_ref", True):
+        keys.append(k.ref_log_prob)
+    keys.append(k.advantage)
+    if critic:
+        keys.append(k.value_target)
+        if getattr(loss, "clip_value", None) is not None:
+            keys.append(k.value)
+    for net in (loss.actor_network, loss.critic_network if critic else None):
+        for key in getattr(net, "in_keys", []):
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def _check_batch_dims(td: TensorDictBase) -> None:
+    if td.batch_dims < 1:
+        raise ValueError(
+            f"TokenPPOLoss: the TensorDict has batch_size={tuple(td.batch_size)} (no batch dimension); expected "
+            f"[B] (the response layout of trajectories_to_llm_batch: [B, S] inputs, [B, R] per-token entries) "
+            f"or [*B, R]; for one response add the batch dim with td.unsqueeze(0)"
+        )
+
+
+def _check_network_inputs(td: TensorDictBase, nets: dict) -> None:
+    """Every in_key of the actor (and critic) is in ``td``, else a ``KeyError`` naming it and the network.
+
+    Only :class:`~tensordict.nn.TensorDictModule` networks, which need every in_key; other
+    TensorDict modules may read some of theirs optionally and check them themselves."""
+    for name, net in nets.items():
+        if not isinstance(net, TensorDictModule):
+            continue
+        for key in net.in_keys:
+            TD.require(
+                td, key, module="TokenPPOLoss", what=f"an input of the {name}, whose in_keys are {net.in_keys}",
+                fix=f"give the batch every entry the {name} reads, or build the {name} with in_keys naming "
+                    f"the batch's entries (the response layout has 'input_ids' and 'attention_mask')",
+            )  # fmt: skip
+
+
+def _check_estimator_fits(estimator, td: TensorDictBase, k) -> None:
+    """Refuse TorchRL's (unmasked) GAE on masked or response-layout data, naming MaskedGAE."""
+    if isinstance(estimator, MaskedGAE):
+        return
+    from torchrl.objectives.value import GAE
+
+    if not isinstance(estimator, GAE):
+        return
+    keys = td.keys(include_nested=True)
+    if k.mask in keys:
+        why = f"holds a mask {k.mask!r} that TorchRL's GAE ignores"
+    elif TD.next_key(k.done) not in keys and TD.next_key(k.terminated) not in keys:
+        why = f"has no {TD.next_key(k.done)!r} flags"
+    else:
+        return
+    raise ValueError(_GAE_ON_MASKED_DATA.format(name=type(estimator).__name__, why=why))
 
 
 class _Batch(NamedTuple):
