@@ -320,22 +320,8 @@ def response_batch(
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     g = make_generator(seed, generator)
     m = make_mask(B, R, mask, generator=g)
-    pos = torch.arange(R)
-    first = torch.where(m, pos, R).amin(-1)
-    last = torch.where(m, pos, -1).amax(-1)
-    real = (pos >= first[:, None]) & (pos <= last[:, None])  # response columns holding tokens (holes included)
-    prompt_lens = torch.randint(1, P + 1, (B,), generator=g)
-    prompt_real = torch.arange(P) >= (P - prompt_lens[:, None])
-    ids = torch.randint(1, V, (B, P + R), generator=g)
-    attention = torch.cat([prompt_real, real], -1)
-    ids = torch.where(attention, ids, 0)
-    nonempty = m.any(-1)
-    truncated = nonempty & (last == R - 1)
-    terminated = nonempty & ~truncated
-    score = torch.where(nonempty, torch.randn(B, generator=g), 0.0).to(dtype)
-    shaping = 0.1 * torch.randn(B, R, generator=g)
-    last_tok = pos == last[:, None]
-    token_reward = _fill((shaping + torch.where(last_tok, score[:, None].double(), 0.0)).to(dtype), m, masked_fill)
+    ids, attention, last = _response_tokens(m, P, V, g)
+    score, terminated, truncated, token_reward = _response_outcome(m, last, g, dtype, masked_fill)
     slp = _fill(_log_probs((B, R), g).to(dtype), m, masked_fill)
     out = TensorDict(
         {
@@ -352,18 +338,48 @@ def response_batch(
         },
         batch_size=[B],
     )
+    if with_advantage and not with_values:
+        raise ValueError("with_advantage=True needs with_values=True (GAE reads state_value)")
     if with_values:
         out.set("state_value", _fill((0.5 * torch.randn(B, R, generator=g)).to(dtype), m, masked_fill))
     if with_ref_log_prob:
         ref = slp.double() + 0.1 * torch.randn(B, R, generator=g, dtype=torch.float64)
         out.set("ref_log_prob", _fill(ref.to(dtype), m, masked_fill))
     if with_advantage:
-        if not with_values:
-            raise ValueError("with_advantage=True needs with_values=True (GAE reads state_value)")
         adv, ret = reference_gae_response(token_reward, out["state_value"], m, gamma, lmbda, normalize=True)
         out.set("advantage", _fill(adv.to(dtype), m, masked_fill))
         out.set("value_target", _fill(ret.to(dtype), m, masked_fill))
     return out.to(device) if device is not None else out
+
+
+def _response_outcome(m: Tensor, last: Tensor, g: torch.Generator, dtype, masked_fill):
+    """Per row ``score`` / ``terminated`` / ``truncated`` and the ``[B, R]`` ``token_reward``
+    (small shaping on every token, the score on the last valid one)."""
+    B, R = m.shape
+    nonempty = m.any(-1)
+    truncated = nonempty & (last == R - 1)
+    terminated = nonempty & ~truncated
+    score = torch.where(nonempty, torch.randn(B, generator=g), 0.0).to(dtype)
+    shaping = 0.1 * torch.randn(B, R, generator=g)
+    last_tok = torch.arange(R) == last[:, None]
+    token_reward = _fill((shaping + torch.where(last_tok, score[:, None].double(), 0.0)).to(dtype), m, masked_fill)
+    return score, terminated, truncated, token_reward
+
+
+def _response_tokens(m: Tensor, P: int, V: int, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``input_ids`` / ``attention_mask`` ``[B, P + R]`` (left-padded prompts of 1 to ``P`` tokens,
+    response columns from the first to the last valid token, holes included) and the last valid
+    response position of each row (-1 for an empty row)."""
+    B, R = m.shape
+    pos = torch.arange(R)
+    first = torch.where(m, pos, R).amin(-1)
+    last = torch.where(m, pos, -1).amax(-1)
+    real = (pos >= first[:, None]) & (pos <= last[:, None])  # response columns holding tokens (holes included)
+    prompt_lens = torch.randint(1, P + 1, (B,), generator=g)
+    prompt_real = torch.arange(P) >= (P - prompt_lens[:, None])
+    ids = torch.randint(1, V, (B, P + R), generator=g)
+    attention = torch.cat([prompt_real, real], -1)
+    return torch.where(attention, ids, 0), attention, last
 
 
 def _step_flags(m: Tensor, g: torch.Generator, done_prob: float, truncated_prob: float, *, every_step: bool):
@@ -378,6 +394,14 @@ def _step_flags(m: Tensor, g: torch.Generator, done_prob: float, truncated_prob:
         done = m & (torch.arange(T) == last[:, None]) & (u < done_prob)
     truncated = done & (kind < truncated_prob)
     return done & ~truncated, truncated
+
+
+def _turns(m: Tensor) -> tuple[Tensor, Tensor]:
+    """The index of each run of generated tokens (-1 on holes) and where each run ends."""
+    B = m.shape[0]
+    prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool), m[:, :-1]], -1)
+    nxt = torch.cat([m[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], -1)
+    return torch.where(m, (m & ~prev).long().cumsum(-1) - 1, -1), m & ~nxt
 
 
 def full_sequence_batch(
@@ -449,10 +473,7 @@ def full_sequence_batch(
     length = torch.stack([torch.randint(int(l) + 1, T + 1, (), generator=g) for l in last.tolist()])  # noqa: E741
     attention = pos < length[:, None]
     tokens = torch.where(attention, torch.randint(1, V, (B, T), generator=g), 0)
-    prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool), m[:, :-1]], -1)
-    nxt = torch.cat([m[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], -1)
-    turn = torch.where(m, (m & ~prev).long().cumsum(-1) - 1, -1)
-    turn_end = m & ~nxt
+    turn, turn_end = _turns(m)
     reward = _fill(torch.where(turn_end, torch.randn(B, T, generator=g), 0.0).to(dtype), m, masked_fill)
     terminated, truncated = _step_flags(m, g, done_prob, truncated_prob, every_step=False)
     step = (lambda x: x.unsqueeze(-1)) if trailing_dim else (lambda x: x)  # noqa: E731
@@ -1233,6 +1254,44 @@ def assert_mask_invariant(
     """
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"td must be a TensorDict, got {type(td).__name__}")
+    m = _invariance_mask(td, mask_key)
+    core = m.shape
+    corrupt = _keys_to_corrupt(td, mask_key, core, corrupt_keys)
+
+    def run(x: TensorDictBase) -> TensorDictBase:
+        out = module(x)
+        if not isinstance(out, TensorDictBase):
+            raise TypeError(f"assert_mask_invariant: the module returned a {type(out).__name__}, expected a TensorDict")
+        return out
+
+    clean = run(td.clone())
+    out_list = list(clean.keys(include_nested=True, leaves_only=True))
+    written = [_key(k) for k in out_list if isinstance(clean.get(k), Tensor) and not _same(td.get(k, None), clean.get(k))]
+    compare = written if out_keys is None else [_key(k) for k in out_keys]
+    if not compare:
+        raise ValueError("assert_mask_invariant: the module wrote no output to compare; pass out_keys=")
+    if zero_at_masked is True:
+        zero_keys = [k for k in compare if k in written and _per_token(clean.get(k), core)]
+    else:
+        zero_keys = [] if zero_at_masked is False else [_key(k) for k in zero_at_masked]
+
+    g = make_generator(seed)
+    report = MaskInvariantReport(corrupted=corrupt, outputs=compare, zero_checked=zero_keys,
+                                 masked_positions=int((~m).sum()))  # fmt: skip
+    fills = [("NaN", None), ("random garbage (|x| up to 1e4) and flipped flags", 1e4)]
+    for label, scale in fills:
+        report.fills.append(label.split(" (")[0])
+        bad = run(_corrupted(td, corrupt, m, core, scale, g))
+        for k in compare:
+            _compare_valid(clean.get(k, None), bad.get(k, None), k, m, core, label, atol, rtol)
+        for k in zero_keys:
+            for which, res in (("the clean batch", clean), (f"the batch with {label} at masked positions", bad)):
+                _check_zero(res.get(k, None), k, m, core, which)
+    return report
+
+
+def _invariance_mask(td: TensorDictBase, mask_key: NestedKey) -> Tensor:
+    """The bool ``[*B, T]`` mask of ``td``, refusing a missing mask or one with nothing masked."""
     mask = td.get(mask_key, None)
     if mask is None:
         raise KeyError(
@@ -1242,78 +1301,54 @@ def assert_mask_invariant(
     m = mask if mask.dtype == torch.bool else mask > 0.5
     if m.ndim == td.batch_dims + 1 and m.shape[-1] == 1 and m.ndim >= 2:
         m = m.squeeze(-1)
-    core = m.shape
     if bool(m.all()):
         raise ValueError(
             "assert_mask_invariant: the mask has no masked position, so nothing would be checked; build the batch "
             "with another mask kind (e.g. mask='holes' or 'empty_rows')"
         )
-    keys = list(td.keys(include_nested=True, leaves_only=True))
+    return m
+
+
+def _keys_to_corrupt(td: TensorDictBase, mask_key, core, corrupt_keys) -> list:
+    """The per-token inputs to corrupt: float entries and step flags under ``"next"`` by default."""
     if corrupt_keys is None:
         corrupt = []
-        for k in keys:
+        for k in td.keys(include_nested=True, leaves_only=True):
             x, kk = td.get(k), _key(k)
             if kk == _key(mask_key) or not _per_token(x, core):
                 continue
             if x.is_floating_point() or (x.dtype == torch.bool and kk[0] == "next"):
                 corrupt.append(kk)
-    else:
-        corrupt = [_key(k) for k in corrupt_keys]
-        for k in corrupt:
-            x = td.get(k, None)
-            if x is None:
-                raise KeyError(f"assert_mask_invariant: corrupt_keys names {k!r}, which is not in the TensorDict")
-            if not _per_token(x, core):
-                raise ValueError(
-                    f"assert_mask_invariant: {k!r} has shape {tuple(x.shape)}, not the mask's {tuple(core)} "
-                    f"(or {tuple(core) + (1,)}); only per-token entries have masked positions"
-                )
+        return corrupt
+    corrupt = [_key(k) for k in corrupt_keys]
+    for k in corrupt:
+        x = td.get(k, None)
+        if x is None:
+            raise KeyError(f"assert_mask_invariant: corrupt_keys names {k!r}, which is not in the TensorDict")
+        if not _per_token(x, core):
+            raise ValueError(
+                f"assert_mask_invariant: {k!r} has shape {tuple(x.shape)}, not the mask's {tuple(core)} "
+                f"(or {tuple(core) + (1,)}); only per-token entries have masked positions"
+            )
+    return corrupt
 
-    def run(x: TensorDictBase) -> TensorDictBase:
-        out = module(x)
-        if not isinstance(out, TensorDictBase):
-            raise TypeError(f"assert_mask_invariant: the module returned a {type(out).__name__}, expected a TensorDict")
-        return out
 
-    clean_in = td.clone()
-    clean = run(clean_in)
-    out_list = list(clean.keys(include_nested=True, leaves_only=True))
-    written = [_key(k) for k in out_list if isinstance(clean.get(k), Tensor) and not _same(td.get(k, None), clean.get(k))]
-    compare = written if out_keys is None else [_key(k) for k in out_keys]
-    if not compare:
-        raise ValueError("assert_mask_invariant: the module wrote no output to compare; pass out_keys=")
-    if zero_at_masked is True:
-        zero_keys = [k for k in compare if k in written and _per_token(clean.get(k), core)]
-    elif zero_at_masked is False:
-        zero_keys = []
-    else:
-        zero_keys = [_key(k) for k in zero_at_masked]
-
-    g = make_generator(seed)
-    report = MaskInvariantReport(corrupted=corrupt, outputs=compare, zero_checked=zero_keys,
-                                 masked_positions=int((~m).sum()))  # fmt: skip
-    fills = [("NaN", None), ("random garbage (|x| up to 1e4) and flipped flags", 1e4)]
-    for label, scale in fills:
-        report.fills.append(label.split(" (")[0])
-        bad_in = td.clone()
-        for k in corrupt:
-            x = bad_in.get(k)
-            mm = m.reshape(x.shape) if x.shape != core else m
-            if x.is_floating_point():
-                junk = torch.full(x.shape, float("nan")) if scale is None else scale * (2 * torch.rand(x.shape, generator=g) - 1)
-                bad_in.set(k, torch.where(mm, x, junk.to(dtype=x.dtype, device=x.device)))
-            elif x.dtype == torch.bool:
-                bad_in.set(k, torch.where(mm, x, ~x) if scale is not None else x)
-            else:
-                junk = torch.randint(-1000, 1000, x.shape, generator=g).to(dtype=x.dtype, device=x.device)
-                bad_in.set(k, torch.where(mm, x, junk) if scale is not None else x)
-        bad = run(bad_in)
-        for k in compare:
-            _compare_valid(clean.get(k, None), bad.get(k, None), k, m, core, label, atol, rtol)
-        for k in zero_keys:
-            for which, res in (("the clean batch", clean), (f"the batch with {label} at masked positions", bad)):
-                _check_zero(res.get(k, None), k, m, core, which)
-    return report
+def _corrupted(td: TensorDictBase, corrupt, m, core, scale, g) -> TensorDictBase:
+    """A clone of ``td`` with NaN (``scale=None``) or garbage of size ``scale`` (and flipped flags)
+    at the masked positions of the ``corrupt`` entries."""
+    bad_in = td.clone()
+    for k in corrupt:
+        x = bad_in.get(k)
+        mm = m.reshape(x.shape) if x.shape != core else m
+        if x.is_floating_point():
+            junk = torch.full(x.shape, float("nan")) if scale is None else scale * (2 * torch.rand(x.shape, generator=g) - 1)
+            bad_in.set(k, torch.where(mm, x, junk.to(dtype=x.dtype, device=x.device)))
+        elif x.dtype == torch.bool:
+            bad_in.set(k, torch.where(mm, x, ~x) if scale is not None else x)
+        else:
+            junk = torch.randint(-1000, 1000, x.shape, generator=g).to(dtype=x.dtype, device=x.device)
+            bad_in.set(k, torch.where(mm, x, junk) if scale is not None else x)
+    return bad_in
 
 
 def _compare_valid(a, b, key, m, core, label, atol, rtol) -> None:
