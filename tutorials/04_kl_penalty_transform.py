@@ -10,7 +10,10 @@ either or both. Four things to see:
 
 1. a batch of responses: per-token penalty, and a sequence score that stays on
    the last valid token (copying it onto every token would count it R times);
-2. a replay buffer: the penalty is applied once, on ``extend``, never again on ``sample``;
+2. a replay buffer: the penalty is applied once, on ``extend``, never again on ``sample``
+   (for PPO the penalty belongs before ``MaskedGAE``, since it is part of the reward GAE
+   reads: in the env, a collector ``postproc`` or on the batch; a buffer of already
+   penalised data is what this section shows, not where the penalty goes in PPO);
 3. inside a ``TransformedEnv`` where one step is one token;
 4. the adaptive coefficient of Ziegler et al., steering the KL towards a target.
 """
@@ -50,7 +53,9 @@ print(f"last_kl (mean per token) = {transform.last_kl:.3f}, last_seq_kl (mean pe
 
 # --------------------------------------------------------------------------- #
 # 2. In a replay buffer: inv() on extend applies it; forward() on sample sees
-#    kl_penalty already there and leaves the data alone.
+#    kl_penalty already there and leaves the data alone. (In PPO, penalise before
+#    MaskedGAE instead: the advantages are computed once per rollout, so a penalty
+#    applied later, in the minibatches' buffer, would never reach them.)
 # --------------------------------------------------------------------------- #
 dense = batch.clone().exclude(("next", "reward"))  # the same responses, now with per-token rewards
 dense[("next", "reward")] = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, -1.0, 0.0, 0.0]])
