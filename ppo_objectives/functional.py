@@ -1037,7 +1037,12 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
       estimate of the KL gradient when used as a loss.
 
     ``clamp`` limits the estimate to ``[-clamp, clamp]`` (verl's low-var-KL
-    uses 10). Computed in float32 or better; returned in that dtype.
+    uses 10): for k1, k2 and k3 the clamped value is the estimate, so its
+    gradient is 0 where the clamp is active; for ``"k3+"`` only the value is
+    clamped, ``k2 + stop_grad(clamp(k3) - k2)``, and the gradient stays k2's
+    whatever the value (a clamped straight-through estimator that lost its
+    gradient past the clamp would stop pulling the policy back exactly where it
+    drifted furthest). Computed in float32 or better; returned in that dtype.
 
     Args:
         logps: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
@@ -1065,11 +1070,11 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
         kl = 0.5 * d * d
     else:
         k3 = torch.expm1(d) - d
-        if estimator == "k3":
-            kl = k3
-        else:
+        if estimator == "k3+":  # the value of (clamped) k3, the gradient of k2
             k2 = 0.5 * d * d
-            kl = k2 + (k3 - k2).detach()
+            value = k3 if clamp is None else k3.clamp(-clamp, clamp)
+            return k2 + (value - k2).detach()
+        kl = k3
     if clamp is not None:
         kl = kl.clamp(-clamp, clamp)
     return kl

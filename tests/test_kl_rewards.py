@@ -157,3 +157,45 @@ def test_policy_loss_statistics_use_torchrl_names_and_old_names_point_to_them():
         s["ratio_max"]
     with pytest.raises(KeyError, match="'nonsense'"):
         s["nonsense"]
+
+
+# --------------------------------------------------------------------------- KL estimator gradients
+
+
+def _written_formula(logp, ref, estimator, clamp):
+    """Each estimator as its docstring writes it, in plain autograd ops."""
+    d = ref - logp
+    k1, k2, k3 = -d, 0.5 * d**2, torch.exp(d) - d - 1
+    if estimator == "k3+":
+        value = k3 if clamp is None else torch.clamp(k3, -clamp, clamp)
+        return k2 + (value - k2).detach()
+    kl = {"k1": k1, "k2": k2, "k3": k3}[estimator]
+    return kl if clamp is None else torch.clamp(kl, -clamp, clamp)
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
+def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp):
+    g = torch.Generator().manual_seed(0)
+    logp = (-3 * torch.rand(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = -3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
+    ref[0, 0], logp.data[0, 0] = 3.0, 0.0  # k3 = e^3 - 4 = 16.1: past a clamp of 10
+    got = F.kl_estimate(logp, ref, estimator, clamp=clamp)
+    (grad_got,) = torch.autograd.grad(got.sum(), logp)
+    lp2 = logp.detach().clone().requires_grad_()
+    want = _written_formula(lp2, ref, estimator, clamp)
+    (grad_want,) = torch.autograd.grad(want.sum(), lp2)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
+def test_k3_plus_takes_k3s_value_and_keeps_k2s_gradient_past_the_clamp(clamp):
+    logp = torch.tensor([0.0, -1.0, -0.2], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([3.0, -1.5, -0.1], dtype=torch.float64)
+    value = F.kl_estimate(logp, ref, "k3+", clamp=clamp)
+    torch.testing.assert_close(value, F.kl_estimate(logp, ref, "k3", clamp=clamp).detach())  # the base value
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    torch.testing.assert_close(grad, -(ref - logp.detach()))  # d/dlogp of (ref - logp)^2 / 2, clamp or not
+    if clamp == 10.0:
+        assert value[0].item() == 10.0 and grad[0].item() == -3.0  # logp=0, ref=3: value 10, gradient -3
