@@ -18,7 +18,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm",
+)  # fmt: skip
 
 _VALUE_CHECKS = True
 

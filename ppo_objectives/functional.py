@@ -755,7 +755,8 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
 
     ``token-mean``: the number of valid tokens; ``seq-mean-token-mean`` and
     ``seq-mean-token-sum``: the number of sequences with at least one valid
-    token; ``seq-mean-token-sum-norm``: ``num_sequences * R``. At least 1.
+    token; ``seq-mean-token-sum-norm``: ``num_sequences * R``; ``token-sum``: 1;
+    ``token-sum-norm``: ``R``. At least 1.
 
     With a ``process_group`` the count is summed over the ranks (one
     all-reduce: compute it once per optimizer step and pass it as
@@ -763,7 +764,15 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
     loss is then ``world_size * local_numerator / global_count``, so that the
     gradient averaging of DistributedDataParallel gives exactly the gradient
     of one process holding every rank's rows; a rank with no valid token
-    contributes 0 and never blocks the others.
+    contributes 0 and never blocks the others. The constants of ``token-sum``
+    and ``token-sum-norm`` are not summed over ranks (the global loss is the
+    global token sum over the same constant), only divided by the world size.
+
+    Gradient accumulation: computed on the whole optimizer step's mask and
+    passed as ``normalizer=`` to each micro-batch's loss, the micro-batch
+    gradients add up to the whole batch's gradient in every mode
+    (``token-sum`` and ``token-sum-norm`` need nothing passed: their constant
+    does not depend on the rows).
 
     Args:
         mask: ``[*B, R]`` bool or {0, 1}.
@@ -786,6 +795,9 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
     m = _validate.check_mask(mask, mask.shape, "mask")
     R = m.shape[-1]
     fm = _rows(m)
+    if mode in ("token-sum", "token-sum-norm"):  # a constant: the same on every rank and micro-batch
+        count = torch.tensor(1.0 if mode == "token-sum" else float(R), device=m.device)
+        return count.clamp(min=1) / _world_size(process_group)
     if mode == "token-mean":
         count = fm.sum()
     elif mode == "seq-mean-token-sum-norm":
@@ -801,17 +813,27 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a per-token loss ``[*B, R]`` to a scalar over the valid tokens.
 
-    Modes (the names verl uses):
+    Modes (verl's ``agg_loss`` names where the definition is the same; where it
+    is not, the difference is said):
 
     - ``"token-mean"``: ``sum(L * m) / sum(m)``, every valid token weighs the
-      same (MiniMind, the default).
+      same (MiniMind, the default; verl's ``token-mean``).
     - ``"seq-mean-token-mean"``: mean over tokens within each sequence, then
-      mean over the sequences that have at least one valid token.
+      mean over the sequences that have at least one valid token (verl takes
+      the mean over every row, empty ones included).
     - ``"seq-mean-token-sum"``: sum over tokens within each sequence, then mean
-      over sequences with at least one valid token.
+      over sequences with at least one valid token (verl: over every row).
     - ``"seq-mean-token-sum-norm"``: sum over all valid tokens divided by
-      ``num_sequences * R`` (a constant normaliser, as in Dr. GRPO,
-      Liu et al. 2025, arXiv:2503.20783), so long answers are not down-weighted.
+      ``num_sequences * R``, i.e. the mean over sequences of the token sums
+      divided by the padded length ``R`` (Dr. GRPO's constant normaliser,
+      Liu et al. 2025, arXiv:2503.20783): long answers are not down-weighted.
+      verl's mode of this name divides the token sum by ``R`` only; that is
+      ``"token-sum-norm"`` here.
+    - ``"token-sum"``: the plain sum over valid tokens (verl's ``token-sum``).
+    - ``"token-sum-norm"``: the sum over valid tokens divided by ``R``, a
+      constant that depends on no row (verl's ``seq-mean-token-sum-norm`` with
+      its default scale, the response length); pass ``normalizer=`` for another
+      constant (e.g. a maximum generation length).
 
     Sequences are the rows of the flattened leading dims. An empty mask gives 0.
     Each mode is ``numerator / normalizer`` with the denominator of
@@ -821,7 +843,7 @@ def aggregate_loss(
     Args:
         per_token: ``[*B, R]`` float per-token loss.
         mask: ``[*B, R]`` bool or {0, 1}.
-        mode: one of the four modes above.
+        mode: one of the six modes above.
         normalizer: optional positive denominator (0-d tensor or float).
 
     Example:
@@ -836,6 +858,8 @@ def aggregate_loss(
         tensor(5.)
         >>> aggregate_loss(L, m, "seq-mean-token-sum-norm")  # 10 / (2 * 2)
         tensor(2.5000)
+        >>> aggregate_loss(L, m, "token-sum"), aggregate_loss(L, m, "token-sum-norm")  # 10 and 10 / 2
+        (tensor(10.), tensor(5.))
         >>> aggregate_loss(L, m, normalizer=10.0)          # (1 + 3 + 6) / 10
         tensor(1.)
     """
@@ -855,7 +879,7 @@ def aggregate_loss(
     else:
         normalizer = _validate.check_positive("normalizer", normalizer)
     flat, fm = _rows(per_token), _rows(m)
-    if mode in ("token-mean", "seq-mean-token-sum-norm"):
+    if mode in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
         numerator = masked_sum(flat, fm)
     else:
         seq = masked_sum(flat, fm, dim=-1)

@@ -202,7 +202,8 @@ class TokenPPOLoss(LossModule):
         entropy_coeff: weight of the entropy bonus. Default 0.
         entropy_bonus: require an entropy from the actor; default ``entropy_coeff != 0``.
         loss_agg_mode: ``"token-mean"`` (default), ``"seq-mean-token-mean"``,
-            ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``.
+            ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"token-sum"`` or
+            ``"token-sum-norm"`` (see :func:`~ppo_objectives.functional.aggregate_loss`).
         normalize_advantage: whiten the advantages over the valid tokens of each call.
         early_stop_kl: threshold on ``kl_approx`` for stopping the PPO epochs (read by the
             training loop; the loss itself never stops). ``None`` by default.

@@ -22,7 +22,8 @@ from ppo_objectives.functional import (
 from ppo_objectives.value import MaskedGAE
 
 WORLD = 2
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum",
+         "token-sum-norm")  # fmt: skip
 
 
 def _batch(seed=0, B=6, R=7, empty_rank1=False):

@@ -380,6 +380,10 @@ def naive_aggregate(L, m, mode):
         return sum(vals) / len(vals) if vals else 0.0
     if mode == "seq-mean-token-sum-norm":
         return sum(vals) / (L.shape[0] * L.shape[1])
+    if mode == "token-sum":
+        return sum(vals)
+    if mode == "token-sum-norm":
+        return sum(vals) / L.shape[1]
     seqs = []
     for row in rows:
         xs = [x for x, ok in row if ok]
@@ -405,6 +409,30 @@ def test_aggregate_loss_is_numerator_over_loss_normalizer(mode):
     m = torch.rand(4, 6, generator=g) > 0.5
     n = loss_normalizer(m, mode)
     torch.testing.assert_close(aggregate_loss(L, m, mode, normalizer=2 * n) * 2, aggregate_loss(L, m, mode))
+
+
+@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+@pytest.mark.parametrize("kind", ["right", "holes"])
+def test_gradient_of_one_step_is_the_same_over_1_2_or_4_micro_batches(mode, kind):
+    # gradient accumulation: each micro-batch's loss divided by the whole step's normalizer
+    g = torch.Generator().manual_seed(21)
+    B, R = 8, 7
+    m = make_mask(kind, (B, R), g)
+    m[0, 0] = True
+    x = torch.randn(B, R, generator=g, dtype=torch.float64)
+    w = torch.randn(R, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def per_token(rows):
+        return torch.tanh(x[rows] * w) ** 2  # any differentiable per-token loss of the parameters w
+
+    (whole,) = torch.autograd.grad(aggregate_loss(per_token(slice(None)), m, mode), w)
+    norm = loss_normalizer(m, mode)
+    for parts in (1, 2, 4):
+        total = torch.zeros_like(w)
+        for rows in torch.arange(B).chunk(parts):
+            (grad,) = torch.autograd.grad(aggregate_loss(per_token(rows), m[rows], mode, normalizer=norm), w)
+            total += grad
+        torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_aggregate_loss_flattens_leading_dims():
