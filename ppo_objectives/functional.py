@@ -1047,7 +1047,14 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clamp: float | None = None) -> Tensor:
+def kl_estimate(
+    logps: Tensor,
+    ref_logps: Tensor,
+    estimator: str = "k3",
+    *,
+    clamp: float | None = None,
+    old_logps: Tensor | None = None,
+) -> Tensor:
     """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
 
     Schulman 2020, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html).
@@ -1068,11 +1075,22 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
     gradient past the clamp would stop pulling the policy back exactly where it
     drifted furthest). Computed in float32 or better; returned in that dtype.
 
+    ``old_logps``: the tokens were sampled from an older policy ``pi_old`` (the
+    PPO epochs after the first minibatch step), so the estimate is importance
+    weighted, ``exp(logps - old_logps) * estimate`` (DeepSeek-V3.2's correction),
+    the gradient flowing through the weight too. Its expectation under
+    ``pi_old`` is the base estimator's under ``pi``; for k3 the gradient of that
+    expectation is exactly ``grad KL(pi || pi_ref)`` (the weight's own gradient
+    turns k3's into ``E_pi[log(pi / pi_ref) grad log pi]``). On-policy
+    (``old_logps == logps``) the value is the base estimator's.
+
     Args:
         logps: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
         ref_logps: ``[*B, R]`` log-probs of the same tokens under ``pi_ref``.
         estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"``.
-        clamp: optional positive bound.
+        clamp: optional positive bound (on the estimate before the weight).
+        old_logps: optional ``[*B, R]`` log-probs of the tokens under the
+            sampling policy: importance weight the estimate.
 
     Example:
         >>> import torch
@@ -1081,13 +1099,22 @@ def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, clam
         >>> [round(float(kl_estimate(lp, ref, e)), 4) for e in ("k1", "k2", "k3")]
         [0.6931, 0.2402, 0.1931]
     """
-    _validate.check_token_tensors(None, logps=logps, ref_logps=ref_logps)
+    tensors = dict(logps=logps, ref_logps=ref_logps) | ({} if old_logps is None else dict(old_logps=old_logps))
+    _validate.check_token_tensors(None, **tensors)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
     if clamp is not None:
         clamp = _validate.check_positive("clamp", clamp)
-    cd = _validate.compute_dtype(logps, ref_logps)
-    d = ref_logps.to(cd) - logps.to(cd)
+    cd = _validate.compute_dtype(*tensors.values())
+    kl = _kl_values(logps.to(cd), ref_logps.to(cd), estimator, clamp)
+    if old_logps is not None:  # sampled from pi_old: weight by pi / pi_old (the gradient flows through it)
+        kl = torch.exp(logps.to(cd) - old_logps.to(cd).detach()) * kl
+    return kl
+
+
+def _kl_values(logps: Tensor, ref_logps: Tensor, estimator: str, clamp: float | None) -> Tensor:
+    """The per-token estimate of validated compute-dtype log-probs (see :func:`kl_estimate`)."""
+    d = ref_logps - logps
     if estimator == "k1":
         kl = -d
     elif estimator == "k2":
@@ -1111,6 +1138,7 @@ def reference_kl_penalty(
     *,
     estimator: str = "k3",
     clamp: float | None = None,
+    old_logps: Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     normalizer: Tensor | float | None = None,
 ) -> Tensor:
@@ -1127,6 +1155,8 @@ def reference_kl_penalty(
         mask: ``[*B, R]`` bool or {0, 1}.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
         clamp: optional bound on the per-token estimate.
+        old_logps: optional ``[*B, R]`` sampling log-probs: importance weight the
+            estimate (DeepSeek-V3.2's correction, see :func:`kl_estimate`).
         loss_agg_mode: see :func:`aggregate_loss`.
         normalizer: replaces the local denominator (see :func:`loss_normalizer`).
 
@@ -1137,12 +1167,14 @@ def reference_kl_penalty(
         >>> reference_kl_penalty(pol, ref, torch.tensor([[1, 1]]))  # (0.1931 + 0) / 2
         tensor(0.0966)
     """
-    m = _validate.check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps)
+    old = {} if old_logps is None else dict(old_logps=old_logps)
+    m = _validate.check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps, **old)
     _validate.check_mode(loss_agg_mode)
     zero = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
     safe_pol = torch.where(m, policy_logps, zero)
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
-    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp)
+    safe_old = None if old_logps is None else torch.where(m, old_logps.to(policy_logps.dtype), zero)
+    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, old_logps=safe_old)
     return aggregate_loss(kl, m, loss_agg_mode, normalizer=normalizer)
 
 

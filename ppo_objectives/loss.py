@@ -199,6 +199,10 @@ class TokenPPOLoss(LossModule):
         kl_coeff: weight of the reference KL. Default 0.02 (MiniMind). 0 disables it.
         kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
         kl_clamp: optional bound on the per-token KL estimate.
+        kl_importance_weighted: weight the per-token KL by ``pi / pi_old``
+            (``exp(log_prob - sample_log_prob)``, DeepSeek-V3.2's correction): the
+            minibatches after the first step are sampled from the rollout policy, not
+            the current one. Default ``False`` (MiniMind).
         entropy_coeff: weight of the entropy bonus. Default 0.
         entropy_bonus: require an entropy from the actor; default ``entropy_coeff != 0``.
         loss_agg_mode: ``"token-mean"`` (default), ``"seq-mean-token-mean"``,
@@ -311,6 +315,7 @@ class TokenPPOLoss(LossModule):
         kl_coeff: float = 0.02,
         kl_estimator: str = "k3",
         kl_clamp: float | None = None,
+        kl_importance_weighted: bool = False,
         entropy_coeff: float = 0.0,
         entropy_bonus: bool | None = None,
         loss_agg_mode: str = "token-mean",
@@ -329,22 +334,9 @@ class TokenPPOLoss(LossModule):
         super().__init__()
         self._functional = functional
         self._in_keys = None
-        if functional:
-            self.convert_to_functional(actor_network, "actor_network")
-            if critic_network is not None:
-                self.convert_to_functional(critic_network, "critic_network")
-            else:
-                self.critic_network = None
-                self.critic_network_params = None
-        else:
-            self.actor_network = actor_network
-            self.critic_network = critic_network
-            self.actor_network_params = self.critic_network_params = None
+        _attach_networks(self, actor_network, critic_network, functional)
         if device is None:
-            try:
-                device = next(self.parameters()).device
-            except StopIteration:
-                device = torch.get_default_device()
+            device = next(iter(self.parameters()), torch.empty(0, device=torch.get_default_device())).device
         coeffs = {"clip_epsilon": eps_low, "clip_epsilon_high": eps_high, "critic_coeff": float(critic_coeff),
                   "kl_coeff": float(kl_coeff), "entropy_coeff": float(entropy_coeff), "clip_value": clip_value}  # fmt: skip
         for name, value in coeffs.items():
@@ -352,6 +344,7 @@ class TokenPPOLoss(LossModule):
         self.dual_clip = dual_clip
         self.kl_estimator = kl_estimator
         self.kl_clamp = kl_clamp
+        self.kl_importance_weighted = bool(kl_importance_weighted)
         self.loss_agg_mode = loss_agg_mode
         self.normalize_advantage = bool(normalize_advantage)
         self.early_stop_kl = early_stop_kl
@@ -389,7 +382,8 @@ class TokenPPOLoss(LossModule):
             (1.0, 0.95, True)
         """
         cfg = dict(MINIMIND_PPO_DEFAULTS)
-        unknown = set(overrides) - set(cfg) - {"dual_clip", "kl_clamp", "entropy_bonus", "functional", "device"}
+        unknown = set(overrides) - set(cfg) - {"dual_clip", "kl_clamp", "kl_importance_weighted", "entropy_bonus",
+                                               "functional", "device"}  # fmt: skip
         if unknown:
             raise TypeError(f"TokenPPOLoss.minimind() got unknown overrides {sorted(unknown)}")
         cfg.update(overrides)
@@ -561,8 +555,9 @@ class TokenPPOLoss(LossModule):
         zero = loss_objective.new_zeros(())
         out.set("loss_kl_ref", zero)
         if b.ref_logp is not None:
+            old = dict(old_logps=b.old_logp) if self.kl_importance_weighted else {}
             kl_ref = F.reference_kl_penalty(
-                new_logp, b.ref_logp, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **agg
+                new_logp, b.ref_logp, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **old, **agg
             )
             out.set("loss_kl_ref", self.kl_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
@@ -593,6 +588,21 @@ class TokenPPOLoss(LossModule):
             out.set("value_clip_fraction", vstats["value_clip_fraction"])
         out.set("loss_critic", self.critic_coeff * loss_critic)
         out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
+
+
+def _attach_networks(loss: TokenPPOLoss, actor_network, critic_network, functional: bool) -> None:
+    """The actor and the critic as TorchRL's LossModule holds them: functional parameters or plain modules."""
+    if functional:
+        loss.convert_to_functional(actor_network, "actor_network")
+        if critic_network is not None:
+            loss.convert_to_functional(critic_network, "critic_network")
+        else:
+            loss.critic_network = None
+            loss.critic_network_params = None
+    else:
+        loss.actor_network = actor_network
+        loss.critic_network = critic_network
+        loss.actor_network_params = loss.critic_network_params = None
 
 
 def _loss_in_keys(loss: TokenPPOLoss) -> list:

@@ -162,28 +162,32 @@ def test_policy_loss_statistics_use_torchrl_names_and_old_names_point_to_them():
 # --------------------------------------------------------------------------- KL estimator gradients
 
 
-def _written_formula(logp, ref, estimator, clamp):
+def _written_formula(logp, ref, estimator, clamp, old=None):
     """Each estimator as its docstring writes it, in plain autograd ops."""
     d = ref - logp
     k1, k2, k3 = -d, 0.5 * d**2, torch.exp(d) - d - 1
     if estimator == "k3+":
         value = k3 if clamp is None else torch.clamp(k3, -clamp, clamp)
-        return k2 + (value - k2).detach()
-    kl = {"k1": k1, "k2": k2, "k3": k3}[estimator]
-    return kl if clamp is None else torch.clamp(kl, -clamp, clamp)
+        kl = k2 + (value - k2).detach()
+    else:
+        kl = {"k1": k1, "k2": k2, "k3": k3}[estimator]
+        kl = kl if clamp is None else torch.clamp(kl, -clamp, clamp)
+    return kl if old is None else torch.exp(logp - old) * kl  # importance weight pi / pi_old
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
 @pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
-def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp):
+def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp, weighted):
     g = torch.Generator().manual_seed(0)
     logp = (-3 * torch.rand(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
     ref = -3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
+    old = (logp.detach() + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)) if weighted else None
     ref[0, 0], logp.data[0, 0] = 3.0, 0.0  # k3 = e^3 - 4 = 16.1: past a clamp of 10
-    got = F.kl_estimate(logp, ref, estimator, clamp=clamp)
+    got = F.kl_estimate(logp, ref, estimator, clamp=clamp, old_logps=old)
     (grad_got,) = torch.autograd.grad(got.sum(), logp)
     lp2 = logp.detach().clone().requires_grad_()
-    want = _written_formula(lp2, ref, estimator, clamp)
+    want = _written_formula(lp2, ref, estimator, clamp, old)
     (grad_want,) = torch.autograd.grad(want.sum(), lp2)
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-12, atol=1e-12)
@@ -199,3 +203,37 @@ def test_k3_plus_takes_k3s_value_and_keeps_k2s_gradient_past_the_clamp(clamp):
     torch.testing.assert_close(grad, -(ref - logp.detach()))  # d/dlogp of (ref - logp)^2 / 2, clamp or not
     if clamp == 10.0:
         assert value[0].item() == 10.0 and grad[0].item() == -3.0  # logp=0, ref=3: value 10, gradient -3
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_importance_weighted_kl_is_unbiased_off_policy_in_value_and_gradient(estimator):
+    # exact expectations over a 6-token vocabulary: tokens drawn from pi_old, estimate of KL(pi || pi_ref)
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(theta, -1)
+    ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
+    old = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
+    kl_exact = (logp.exp() * (logp - ref)).sum()
+    estimate = (old.exp() * F.kl_estimate(logp, ref, estimator, old_logps=old)).sum()  # E_{pi_old}[w * k]
+    torch.testing.assert_close(estimate, kl_exact, rtol=1e-12, atol=1e-12)
+    if estimator == "k3":  # and its gradient is the KL's gradient
+        (g_est,) = torch.autograd.grad(estimate, theta, retain_graph=True)
+        (g_exact,) = torch.autograd.grad(kl_exact, theta)
+        torch.testing.assert_close(g_est, g_exact, rtol=1e-12, atol=1e-12)
+    # without the weight the same sum estimates a different quantity
+    biased = (old.exp() * F.kl_estimate(logp, ref, estimator)).sum()
+    assert abs((biased - kl_exact).item()) > 1e-3
+
+
+def test_token_ppo_loss_importance_weights_its_reference_kl_on_request():
+    from ppo_objectives import TokenPPOLoss
+    from ppo_objectives import testing as kit
+
+    td = kit.response_batch(batch_size=4, response_len=5, mask="holes", with_advantage=True, seed=1)
+    actor, critic = kit.tiny_actor_critic()
+    plain = TokenPPOLoss(actor, critic, kl_coeff=1.0)(td.clone())
+    weighted = TokenPPOLoss(actor, critic, kl_coeff=1.0, kl_importance_weighted=True)(td.clone())
+    new = actor(td.clone())["log_prob"]
+    want = F.reference_kl_penalty(new, td["ref_log_prob"], td["mask"], old_logps=td["sample_log_prob"])
+    torch.testing.assert_close(weighted["kl_ref"], want.detach())
+    assert not torch.allclose(weighted["kl_ref"], plain["kl_ref"])
