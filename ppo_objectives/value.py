@@ -79,6 +79,17 @@ class MaskedGAE(ValueEstimatorBase):
     ``("next", "state_value")``    [*B, T(, 1)]  collector form: bootstrap values
     ============================== ============= ==========================================
 
+    Masks: ``mask`` (this package's name), else TorchRL's ``valid`` (right-padded
+    collector batches), else ``("collector", "mask")``; each renamed with
+    :meth:`set_keys`. With TorchRL's ``valid`` contract for right padding the
+    numbers are TorchRL's: the recursion stops at the valid-to-padding boundary,
+    padded steps get exactly 0 and are left out of the whitening, and the last
+    valid step of a row bootstraps from its own ``("next", "state_value")`` unless
+    terminated (the collector form's "cut by the boundary"). Where this class goes
+    further on purpose: the mask may have holes (left padding, tool and user tokens)
+    that the recursion skips rather than stops at, and without done flags a row's
+    end is terminal (the response form).
+
     Batch shape: the time axis is the last dim of the value entry. The
     package's response layout is a ``[B]`` TensorDict holding ``[B, S]`` inputs
     next to ``[B, R]`` per-token entries, and runs as it comes. A trailing
@@ -184,6 +195,10 @@ class MaskedGAE(ValueEstimatorBase):
             terminated: termination flag, read under ``"next"``. Defaults to ``"terminated"``.
             truncated: truncation flag, read under ``"next"``. Defaults to ``"truncated"``.
             mask: which steps take part (True) or are skipped. Defaults to ``"mask"``.
+            valid: TorchRL's right-padding mask, read when there is no ``mask`` entry.
+                Defaults to ``"valid"``.
+            collector_mask: the collector's mask, read when there is neither ``mask``
+                nor ``valid``. Defaults to ``("collector", "mask")``.
             steps_to_next_obs: multi-step returns are not supported; its presence is
                 an error. Defaults to ``"steps_to_next_obs"``.
             sample_log_prob: unused by GAE; kept for losses that forward it.
@@ -199,6 +214,8 @@ class MaskedGAE(ValueEstimatorBase):
         terminated: NestedKey = "terminated"
         truncated: NestedKey = "truncated"
         mask: NestedKey = "mask"
+        valid: NestedKey = "valid"
+        collector_mask: NestedKey = ("collector", "mask")
         steps_to_next_obs: NestedKey = "steps_to_next_obs"
         sample_log_prob: NestedKey | None = None
 
@@ -238,6 +255,8 @@ class MaskedGAE(ValueEstimatorBase):
             ("next", self.tensor_keys.reward),
             self.tensor_keys.value,
             self.tensor_keys.mask,
+            self.tensor_keys.valid,
+            self.tensor_keys.collector_mask,
             TD.next_key(self.tensor_keys.done),
             TD.next_key(self.tensor_keys.terminated),
             TD.next_key(self.tensor_keys.truncated),
@@ -324,8 +343,12 @@ class MaskedGAE(ValueEstimatorBase):
         ref = f"value {keys.value!r}"
         r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
         v = TD.time_last(value, ref, shape, ref)
-        m = tensordict.get(keys.mask, None)  # None: every step takes part (no packing of the rows)
-        m = None if m is None else TD.time_last(m, f"mask {keys.mask!r}", shape, ref)
+        m = None  # None: every step takes part (no packing of the rows)
+        for key in (keys.mask, keys.valid, keys.collector_mask):  # the first present, in this order
+            m = tensordict.get(key, None)
+            if m is not None:
+                m = TD.time_last(m, f"mask {TD.key_str(key)}", shape, ref)
+                break
 
         done = tensordict.get(TD.next_key(keys.done), None)
         terminated = tensordict.get(TD.next_key(keys.terminated), None)

@@ -511,3 +511,63 @@ def test_usable_as_the_value_estimator_of_torchrls_clip_ppo_loss():
     torch.testing.assert_close(ours, ref)
     out = loss(td.clone())
     assert torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
+
+
+# --------------------------------------------------------------------------- TorchRL's `valid` contract
+
+
+def _right_padded(td, seed=0):
+    """``td`` with a TorchRL ``valid`` entry (right padding, random lengths >= 1) and garbage after it."""
+    N, T = td.batch_size
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    valid = (torch.arange(T) < lengths[:, None]).unsqueeze(-1)
+    out = td.clone()
+    for key in ("state_value", ("next", "state_value"), ("next", "reward")):
+        out.set(key, torch.where(valid, out.get(key), float("nan")))
+    out.set("valid", valid)
+    return out, lengths
+
+
+@pytest.mark.parametrize("trailing", [True, False])
+def test_valid_key_gives_torchrls_gae_on_each_rows_valid_prefix(trailing):
+    # the documented contract of TorchRL's `valid` key: the recursion stops at the valid-to-padding
+    # boundary, padded steps are 0, the last valid step bootstraps from its own next value unless
+    # terminated; TorchRL's GAE on each row's prefix alone computes exactly that
+    td, lengths = _right_padded(collector_batch(N=4, T=12, seed=7, trailing=True), seed=1)
+    if not trailing:
+        td = td.apply(lambda x: x.squeeze(-1))
+    out = MaskedGAE(0.97, 0.9)(td.clone())["advantage"].reshape(4, 12)
+    for i, n in enumerate(lengths.tolist()):
+        row = collector_batch(N=4, T=12, seed=7, trailing=True)[i : i + 1, :n]
+        want = GAE(gamma=0.97, lmbda=0.9, value_network=None)(row)["advantage"].reshape(n)
+        torch.testing.assert_close(out[i, :n], want)
+        assert (out[i, n:] == 0).all()
+
+
+def test_valid_key_whitens_over_the_valid_steps_only():
+    td, lengths = _right_padded(collector_batch(N=3, T=9, seed=8), seed=2)
+    raw = MaskedGAE(0.99, 0.95)(td.clone())["advantage"]
+    white = MaskedGAE(0.99, 0.95, average_gae=True)(td.clone())["advantage"]
+    valid = td["valid"]
+    torch.testing.assert_close(white, F.masked_whiten(raw, valid))
+    assert (white[~valid] == 0).all()
+
+
+def test_mask_precedes_valid_which_precedes_the_collector_mask_and_set_keys_renames_them():
+    td, _ = _right_padded(collector_batch(N=3, T=8, seed=9), seed=3)
+    by_valid = MaskedGAE(1.0, 0.95)(td.clone())["advantage"]
+    as_collector = td.clone().exclude("valid")
+    as_collector.set(("collector", "mask"), td["valid"])
+    torch.testing.assert_close(MaskedGAE(1.0, 0.95)(as_collector)["advantage"], by_valid)
+    renamed = td.clone().rename_key_("valid", "my_valid")
+    gae = MaskedGAE(1.0, 0.95)
+    gae.set_keys(valid="my_valid")
+    torch.testing.assert_close(gae(renamed)["advantage"], by_valid)
+    full = collector_batch(N=3, T=8, seed=9)
+    with_mask = full.clone()
+    with_mask.set("mask", torch.ones_like(td["valid"]))  # an explicit mask wins over `valid`
+    with_mask.set("valid", torch.zeros_like(td["valid"]))
+    want = MaskedGAE(1.0, 0.95)(full.clone())["advantage"]
+    torch.testing.assert_close(MaskedGAE(1.0, 0.95)(with_mask)["advantage"], want)
+    assert "valid" in MaskedGAE(1.0, 0.95).in_keys and ("collector", "mask") in MaskedGAE(1.0, 0.95).in_keys
