@@ -1054,6 +1054,7 @@ def kl_estimate(
     *,
     clamp: float | None = None,
     old_logps: Tensor | None = None,
+    score_grad: bool = False,
 ) -> Tensor:
     """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
 
@@ -1084,6 +1085,13 @@ def kl_estimate(
     turns k3's into ``E_pi[log(pi / pi_ref) grad log pi]``). On-policy
     (``old_logps == logps``) the value is the base estimator's.
 
+    ``score_grad=True`` keeps the value and replaces the gradient by the
+    score-function form of ``grad KL(pi || pi_ref)``,
+    ``w * log(pi / pi_ref) * grad log pi`` (``w`` the detached importance weight,
+    1 without ``old_logps``): unbiased whatever the estimator, where the
+    gradients of k1 (0 in expectation) and k3 (the forward KL's direction) are not.
+    This is the unbiased-gradient option of OpenRLHF.
+
     Args:
         logps: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
         ref_logps: ``[*B, R]`` log-probs of the same tokens under ``pi_ref``.
@@ -1091,6 +1099,7 @@ def kl_estimate(
         clamp: optional positive bound (on the estimate before the weight).
         old_logps: optional ``[*B, R]`` log-probs of the tokens under the
             sampling policy: importance weight the estimate.
+        score_grad: the value of the estimate with the score-function gradient.
 
     Example:
         >>> import torch
@@ -1106,9 +1115,15 @@ def kl_estimate(
     if clamp is not None:
         clamp = _validate.check_positive("clamp", clamp)
     cd = _validate.compute_dtype(*tensors.values())
-    kl = _kl_values(logps.to(cd), ref_logps.to(cd), estimator, clamp)
+    lp = logps.to(cd)
+    kl = _kl_values(lp, ref_logps.to(cd), estimator, clamp)
+    weight = None
     if old_logps is not None:  # sampled from pi_old: weight by pi / pi_old (the gradient flows through it)
-        kl = torch.exp(logps.to(cd) - old_logps.to(cd).detach()) * kl
+        weight = torch.exp(lp - old_logps.to(cd).detach())
+        kl = weight * kl
+    if score_grad:  # the value of kl, the gradient w * log(pi / pi_ref) * grad log pi
+        coef = (lp - ref_logps.to(cd)).detach() * (1.0 if weight is None else weight.detach())
+        kl = kl.detach() + (lp - lp.detach()) * coef
     return kl
 
 
@@ -1139,6 +1154,7 @@ def reference_kl_penalty(
     estimator: str = "k3",
     clamp: float | None = None,
     old_logps: Tensor | None = None,
+    score_grad: bool = False,
     loss_agg_mode: str = "token-mean",
     normalizer: Tensor | float | None = None,
 ) -> Tensor:
@@ -1157,6 +1173,7 @@ def reference_kl_penalty(
         clamp: optional bound on the per-token estimate.
         old_logps: optional ``[*B, R]`` sampling log-probs: importance weight the
             estimate (DeepSeek-V3.2's correction, see :func:`kl_estimate`).
+        score_grad: the score-function (unbiased) gradient, see :func:`kl_estimate`.
         loss_agg_mode: see :func:`aggregate_loss`.
         normalizer: replaces the local denominator (see :func:`loss_normalizer`).
 
@@ -1174,7 +1191,7 @@ def reference_kl_penalty(
     safe_pol = torch.where(m, policy_logps, zero)
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
     safe_old = None if old_logps is None else torch.where(m, old_logps.to(policy_logps.dtype), zero)
-    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, old_logps=safe_old)
+    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, old_logps=safe_old, score_grad=score_grad)
     return aggregate_loss(kl, m, loss_agg_mode, normalizer=normalizer)
 
 

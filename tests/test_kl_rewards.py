@@ -237,3 +237,20 @@ def test_token_ppo_loss_importance_weights_its_reference_kl_on_request():
     want = F.reference_kl_penalty(new, td["ref_log_prob"], td["mask"], old_logps=td["sample_log_prob"])
     torch.testing.assert_close(weighted["kl_ref"], want.detach())
     assert not torch.allclose(weighted["kl_ref"], plain["kl_ref"])
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
+def test_score_function_gradient_is_the_kls_gradient_for_every_estimator(estimator, weighted):
+    # exact expectations over a 6-token vocabulary; the value stays the estimator's
+    g = torch.Generator().manual_seed(4)
+    theta = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(theta, -1)
+    ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
+    sample = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1) if weighted else logp.detach()
+    old = sample if weighted else None
+    est = F.kl_estimate(logp, ref, estimator, old_logps=old, score_grad=True)
+    torch.testing.assert_close(est.detach(), F.kl_estimate(logp, ref, estimator, old_logps=old).detach())
+    (grad,) = torch.autograd.grad((sample.exp() * est).sum(), theta, retain_graph=True)
+    (want,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
