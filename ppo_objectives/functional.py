@@ -63,6 +63,7 @@ __all__ = [
     "response_log_probs",
     "resolve_done_flags",
     "response_logp_positions",
+    "rollout_correction_weights",
     "value_checks",
 ]
 
@@ -918,6 +919,7 @@ def ppo_policy_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: Tensor | float | None = None,
     return_stats: bool = False,
+    weights: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate objective, as a loss to minimise (*MiniMind*).
 
@@ -938,6 +940,9 @@ def ppo_policy_loss(
     - ``dual_clip``: a constant ``c > 1``; where ``A < 0`` the loss is capped at
       ``-c * A`` (Ye et al. 2020, arXiv:1912.09729), so a huge ratio on a bad
       action cannot blow up the loss.
+    - ``weights``: detached per-token weights ``w_t`` multiplying ``L_t`` before
+      the aggregation (``agg(w_t L_t)``), e.g. the rollout-correction weights of
+      :func:`rollout_correction_weights`. The statistics stay those of the ratios.
 
     Args:
         new_logps: ``[*B, R]`` log-probs under the policy being optimised.
@@ -961,6 +966,8 @@ def ppo_policy_loss(
             ``dual_clip_fraction``. The names are those of TorchRL's ``ClipPPOLoss``
             outputs; the names of earlier versions (``approx_kl``, ``ratio_max``, ...)
             raise a ``KeyError`` that names the new one.
+        weights: optional ``[*B, R]`` float per-token weights (detached; never
+            read at masked positions). ``None`` (default): every weight 1.
 
     Returns:
         scalar loss (float32, or float64 for float64 inputs), or ``(loss, stats)``.
@@ -994,6 +1001,8 @@ def ppo_policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
+    if weights is not None:
+        per_token = per_token * _token_weights(weights, m, new_logps, cd)
     loss = aggregate_loss(per_token, m, loss_agg_mode, normalizer=normalizer)
     if not return_stats:
         return loss
@@ -1040,6 +1049,161 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
     cd = _validate.compute_dtype(new_logps, old_logps)
     d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
     return masked_mean(0.5 * d * d, m)
+
+
+def _token_weights(weights: Tensor, m: Tensor, ref: Tensor, cd: torch.dtype) -> Tensor:
+    """The validated ``weights=`` of :func:`ppo_policy_loss`: detached, in ``cd``, 0 at masked positions."""
+    _validate.check_float("weights", weights)
+    _validate.check_same_shape("new_logps", ref, weights=weights)
+    _validate.check_same_device(new_logps=ref, weights=weights)
+    return torch.where(m, weights.detach().to(cd), torch.zeros((), dtype=cd, device=ref.device))
+
+
+# --------------------------------------------------------------------------- #
+# Rollout correction (training / inference mismatch)
+# --------------------------------------------------------------------------- #
+
+ROLLOUT_CORRECTION_MODES = ("token-tis", "token-mis", "seq-tis", "seq-mis", "icepop", "geo-mask")
+_TWO_SIDED = ("icepop", "geo-mask")  # the lower bound defaults to 1 / threshold_high
+
+
+def rollout_correction_weights(
+    old_logps: Tensor,
+    rollout_logps: Tensor,
+    mask: Tensor,
+    mode: str = "token-tis",
+    *,
+    threshold_high: float = 2.0,
+    threshold_low: float | None = None,
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """Per-token importance weights that correct for rollouts sampled by another engine.
+
+    When the rollouts come from an inference engine (vLLM, ...) or a stale
+    policy, the sampling log-probs ``rollout_logps`` differ from the trainer's
+    old-policy log-probs ``old_logps``. With the per-token ratio
+    ``w_t = pi_old / pi_rollout = exp(old_logps_t - rollout_logps_t)`` over the
+    valid tokens, and ``C = threshold_high``, ``c = threshold_low``::
+
+        token-tis:  W_t = min(w_t, C)                                       truncated IS
+        token-mis:  W_t = w_t if w_t <= C (and w_t >= c when c is given), else 0
+        icepop:     W_t = w_t if c <= w_t <= C, else 0                      c defaults to 1 / C
+        seq-tis:    W_t = min(S, C),  S = prod_t w_t = exp(sum_t log w_t)   one weight per sequence
+        seq-mis:    W_t = S if S <= C (and S >= c when c is given), else 0  the whole sequence
+        geo-mask:   W_t = 1 if c <= G <= C, else 0,  G = exp(mean_t log w_t),  c defaults to 1 / C
+
+    Token-level truncated IS (TIS) follows Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training"; masked IS (MIS) and the
+    sequence-level variants Liu et al. 2025, "When Speed Kills Stability"; IcePop
+    is the two-sided token mask of the Ling team's Ring-1T report (2025). IcePop and
+    token-mis compute the same formula: they differ only in the default lower
+    bound (token-mis is one-sided unless ``threshold_low`` is given, IcePop masks
+    both tails, ``c = 1 / C`` by default). ``geo-mask`` is a rejection filter:
+    a kept sequence is not reweighted (weight 1), and the geometric mean does not
+    grow with the length as the product ``S`` does. The products and means are
+    taken in log space (no overflow) over the valid tokens of each row; the
+    bounds are inclusive. Pass the weights to :func:`ppo_policy_loss`
+    (``weights=``). Everything is detached and computed in float32 (or float64);
+    garbage at masked positions is never read and the weights there are 0.
+
+    Args:
+        old_logps: ``[*B, R]`` log-probs of the sampled tokens under the trainer's old policy.
+        rollout_logps: ``[*B, R]`` log-probs of the same tokens under the engine that sampled them.
+        mask: ``[*B, R]`` bool or {0, 1}.
+        mode: one of ``"token-tis"`` (default), ``"token-mis"``, ``"seq-tis"``,
+            ``"seq-mis"``, ``"icepop"``, ``"geo-mask"``.
+        threshold_high: ``C`` >= 1 (finite), the upper bound. Default 2.0.
+        threshold_low: ``c`` in ``(0, 1]``, the lower bound of the masking modes
+            (refused by the truncation modes); ``None``: no lower bound for
+            token-mis / seq-mis, ``1 / C`` for icepop / geo-mask.
+        return_stats: also return a dict of detached, masked diagnostics:
+            ``clip_fraction`` (valid tokens whose weight was truncated),
+            ``mask_fraction`` (valid tokens whose weight was set to 0),
+            ``seq_clip_fraction`` / ``seq_mask_fraction`` (rows with a valid token
+            among those with a truncated / zeroed one: in the sequence modes the
+            whole sequence), ``ESS`` (``(sum W)^2 / (n sum W^2)`` over the ``n``
+            valid tokens, in (0, 1]; 0 when every weight is 0), ``mean_weight``
+            and ``max_weight`` (over the valid tokens; 0 for an empty mask).
+
+    Returns:
+        ``[*B, R]`` weights (float32, or float64 for float64 inputs), or ``(weights, stats)``.
+
+    Example:
+        >>> import torch
+        >>> old = torch.log(torch.tensor([[0.5, 1.0, 3.0]]))   # ratios 0.5, 1, 3 against rollout 0
+        >>> roll, m = torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+        >>> rollout_correction_weights(old, roll, m, "token-tis")
+        tensor([[0.5000, 1.0000, 2.0000]])
+        >>> rollout_correction_weights(old, roll, m, "icepop", threshold_low=0.6)
+        tensor([[0., 1., 0.]])
+        >>> rollout_correction_weights(old, roll, m, "seq-tis")   # product 1.5 <= 2
+        tensor([[1.5000, 1.5000, 1.5000]])
+        >>> w, stats = rollout_correction_weights(old, roll, m, "token-mis", return_stats=True)
+        >>> w, stats["mask_fraction"], stats["seq_mask_fraction"]
+        (tensor([[0.5000, 1.0000, 0.0000]]), tensor(0.3333), tensor(1.))
+    """
+    m = _validate.check_token_tensors(mask, old_logps=old_logps, rollout_logps=rollout_logps)
+    high, low = _rollout_thresholds(mode, threshold_high, threshold_low)
+    cd = _validate.compute_dtype(old_logps, rollout_logps)
+    zero = torch.zeros((), dtype=cd, device=old_logps.device)
+    log_w = torch.where(m, old_logps.detach().to(cd) - rollout_logps.detach().to(cd), zero)
+    log_high, log_low = math.log(high), (-math.inf if low is None else math.log(low))
+    if mode in ("seq-tis", "seq-mis", "geo-mask"):
+        total = log_w.sum(-1, keepdim=True)  # log S: 0 at masked positions, so only valid tokens count
+        score = total / m.sum(-1, keepdim=True).clamp(min=1).to(cd) if mode == "geo-mask" else total
+        score = score.expand_as(log_w)
+        log_value = torch.zeros_like(log_w) if mode == "geo-mask" else score
+    else:
+        score = log_value = log_w
+    if mode.endswith("tis"):
+        clipped, rejected = m & (score > log_high), torch.zeros_like(m)
+        log_value = torch.clamp(log_value, max=log_high)
+    else:
+        clipped, rejected = torch.zeros_like(m), m & ((score > log_high) | (score < log_low))
+    weights = torch.where(m & ~rejected, torch.exp(log_value), zero)
+    if not return_stats:
+        return weights
+    return weights, _rollout_stats(weights, m, clipped, rejected)
+
+
+def _rollout_thresholds(mode: str, threshold_high: float, threshold_low: float | None) -> tuple[float, float | None]:
+    """The validated ``(C, c)`` of :func:`rollout_correction_weights` (``c`` is ``None``: no lower bound)."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {ROLLOUT_CORRECTION_MODES}")
+    high = float(_validate.check_positive("threshold_high", threshold_high))
+    if high < 1.0:
+        raise ValueError(
+            f"threshold_high={high} must be >= 1: a bound below 1 also cuts tokens whose ratio is 1 (no mismatch)"
+        )
+    if threshold_low is None:
+        return high, (1.0 / high if mode in _TWO_SIDED else None)
+    if mode.endswith("tis"):
+        raise ValueError(
+            f"threshold_low={threshold_low!r} is not used by mode={mode!r} (truncation caps the weight from above "
+            "only); leave it None, or choose a masking mode (token-mis, seq-mis, icepop, geo-mask)"
+        )
+    low = float(_validate.check_positive("threshold_low", threshold_low))
+    if low > 1.0:
+        raise ValueError(f"threshold_low={low} must be <= 1: a bound above 1 also drops tokens whose ratio is 1")
+    return high, low
+
+
+def _rollout_stats(w: Tensor, m: Tensor, clipped: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+    """The diagnostics of :func:`rollout_correction_weights` (``w`` is 0 at masked positions)."""
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    rows = m.any(-1)
+    sum_w, sum_w2 = w.sum(), (w * w).sum()
+    n = m.sum().to(w.dtype)
+    return {
+        "clip_fraction": masked_mean(clipped.to(w.dtype), m),
+        "mask_fraction": masked_mean(rejected.to(w.dtype), m),
+        "seq_clip_fraction": masked_mean(clipped.any(-1).to(w.dtype), rows),
+        "seq_mask_fraction": masked_mean(rejected.any(-1).to(w.dtype), rows),
+        "ESS": torch.where(sum_w2 > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(w.dtype).tiny), zero),
+        "mean_weight": masked_mean(w, m),
+        # weights are >= 0, so a 0 appended makes the max of an empty mask 0
+        "max_weight": torch.cat([w.flatten(), zero.reshape(1)]).max(),
+    }
 
 
 # --------------------------------------------------------------------------- #

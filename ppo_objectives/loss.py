@@ -164,6 +164,8 @@ class TokenPPOLoss(LossModule):
     ``"mask"`` mask          response tokens that take part (bool or {0, 1}); optional: a
                              missing mask counts every token (TorchRL's convention)
     ``"sample_log_prob"``    log-probs under the sampling policy (required)
+    ``"rollout_log_prob"``   log-probs under the engine that sampled the tokens (e.g. vLLM);
+                             required when rollout_correction is set, else never read
     ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_coeff > 0)
     ``"advantage"``          per-token advantages; computed by the value estimator when absent
     ``"value_target"``       returns ``G_t`` for the critic (required with a critic)
@@ -185,7 +187,12 @@ class TokenPPOLoss(LossModule):
       reference KL, when ``ref_log_prob`` is given), ``entropy`` (when the actor writes
       it), ``value_clip_fraction`` (tokens whose clipped value branch is active),
       ``explained_variance`` of the returns by the current critic, and
-      ``dual_clip_fraction`` when ``dual_clip`` is set.
+      ``dual_clip_fraction`` when ``dual_clip`` is set;
+    * with ``rollout_correction``, the diagnostics of
+      :func:`~ppo_objectives.functional.rollout_correction_weights` prefixed ``rollout_``:
+      ``rollout_clip_fraction``, ``rollout_mask_fraction``, ``rollout_seq_clip_fraction``,
+      ``rollout_seq_mask_fraction``, ``rollout_ESS``, ``rollout_mean_weight``,
+      ``rollout_max_weight``.
 
     Args:
         actor_network: module writing ``log_prob`` (and optionally ``entropy``).
@@ -211,6 +218,16 @@ class TokenPPOLoss(LossModule):
         normalize_advantage: whiten the advantages over the valid tokens of each call.
         early_stop_kl: threshold on ``kl_approx`` for stopping the PPO epochs (read by the
             training loop; the loss itself never stops). ``None`` by default.
+        rollout_correction: correct for rollouts sampled by another engine or a stale
+            policy: ``"token-tis"``, ``"token-mis"``, ``"seq-tis"``, ``"seq-mis"``,
+            ``"icepop"`` or ``"geo-mask"`` (the ``mode`` of
+            :func:`~ppo_objectives.functional.rollout_correction_weights`, fed with
+            ``sample_log_prob`` and ``rollout_log_prob``); the per-token weights multiply
+            the clipped surrogate (the ``weights=`` of
+            :func:`~ppo_objectives.functional.ppo_policy_loss`). ``None`` (default): off,
+            ``rollout_log_prob`` is not read.
+        rollout_threshold_high: the upper bound ``C`` >= 1 of the weights. Default 2.0.
+        rollout_threshold_low: the lower bound of the masking modes, or ``None`` (their default).
         functional: hold the network parameters as TensorDictParams (TorchRL's default).
         device: device of the coefficient buffers.
 
@@ -262,6 +279,8 @@ class TokenPPOLoss(LossModule):
             tokens: token ids the networks read. Defaults to ``"tokens"``.
             mask: response tokens that take part. Defaults to ``"mask"``.
             sample_log_prob: log-probs at sampling time. Defaults to ``"sample_log_prob"``.
+            rollout_log_prob: log-probs of the engine that sampled the tokens (read only
+                with ``rollout_correction``). Defaults to ``"rollout_log_prob"``.
             ref_log_prob: log-probs of the reference policy. Defaults to ``"ref_log_prob"``.
             advantage: per-token advantages. Defaults to ``"advantage"``.
             value_target: returns for the critic. Defaults to ``"value_target"``.
@@ -278,6 +297,7 @@ class TokenPPOLoss(LossModule):
         tokens: NestedKey = "tokens"
         mask: NestedKey = "mask"
         sample_log_prob: NestedKey = "sample_log_prob"
+        rollout_log_prob: NestedKey = "rollout_log_prob"
         ref_log_prob: NestedKey = "ref_log_prob"
         advantage: NestedKey = "advantage"
         value_target: NestedKey = "value_target"
@@ -321,6 +341,9 @@ class TokenPPOLoss(LossModule):
         loss_agg_mode: str = "token-mean",
         normalize_advantage: bool = False,
         early_stop_kl: float | None = None,
+        rollout_correction: str | None = None,
+        rollout_threshold_high: float = 2.0,
+        rollout_threshold_low: float | None = None,
         functional: bool = True,
         device: torch.device | None = None,
     ):
@@ -351,6 +374,7 @@ class TokenPPOLoss(LossModule):
         self.entropy_bonus = (entropy_coeff != 0) if entropy_bonus is None else bool(entropy_bonus)
         self._has_critic = critic_network is not None and critic_coeff != 0
         self._requires_ref = kl_coeff != 0
+        _set_rollout_correction(self, rollout_correction, rollout_threshold_high, rollout_threshold_low)
 
     # ------------------------------------------------------------------ presets
 
@@ -383,7 +407,7 @@ class TokenPPOLoss(LossModule):
         """
         cfg = dict(MINIMIND_PPO_DEFAULTS)
         unknown = set(overrides) - set(cfg) - {"dual_clip", "kl_clamp", "kl_importance_weighted", "entropy_bonus",
-                                               "functional", "device"}  # fmt: skip
+                                               "functional", "device", *_ROLLOUT_ARGS}  # fmt: skip
         if unknown:
             raise TypeError(f"TokenPPOLoss.minimind() got unknown overrides {sorted(unknown)}")
         cfg.update(overrides)
@@ -520,6 +544,7 @@ class TokenPPOLoss(LossModule):
             old_values=get(
                 k.value, "rollout values", "needed because clip_value is set", critic and self.clip_value is not None
             ),
+            rollout_logp=get(k.rollout_log_prob, "rollout log-probs", _ROLLOUT_FIX, self.rollout_correction is not None),
         )
 
     def _actor_outputs(self, td: TensorDictBase, batch: _Batch) -> tuple[Tensor, Tensor | None]:
@@ -547,11 +572,12 @@ class TokenPPOLoss(LossModule):
         """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics."""
         agg = {"loss_agg_mode": self.loss_agg_mode, "normalizer": normalizer}
         advantage = F.masked_whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
+        weights, rollout_stats = _rollout_weights(self, b)
         loss_objective, stats = F.ppo_policy_loss(
             new_logp, b.old_logp, advantage, b.mask, self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
-            dual_clip=self.dual_clip, return_stats=True, **agg,
+            dual_clip=self.dual_clip, return_stats=True, weights=weights, **agg,
         )  # fmt: skip
-        out = TensorDict({"loss_objective": loss_objective})
+        out = TensorDict({"loss_objective": loss_objective, **rollout_stats})
         zero = loss_objective.new_zeros(())
         out.set("loss_kl_ref", zero)
         if b.ref_logp is not None:
@@ -590,6 +616,32 @@ class TokenPPOLoss(LossModule):
         out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
 
 
+_ROLLOUT_ARGS = ("rollout_correction", "rollout_threshold_high", "rollout_threshold_low")
+_ROLLOUT_FIX = (
+    "needed because rollout_correction is set: store the per-token log-probs of the engine that sampled the "
+    "tokens (e.g. vLLM's), rename the key with set_keys(rollout_log_prob=...), or set rollout_correction=None"
+)
+
+
+def _set_rollout_correction(loss: TokenPPOLoss, mode: str | None, high: float, low: float | None) -> None:
+    """Set ``rollout_correction`` and its thresholds, checked by the functional core on an empty batch."""
+    if mode is not None:
+        empty = torch.zeros(1, 0)
+        F.rollout_correction_weights(empty, empty, empty.bool(), mode, threshold_high=high, threshold_low=low)
+    loss.rollout_correction = mode
+    loss.rollout_thresholds = {} if mode is None else {"threshold_high": high, "threshold_low": low}
+
+
+def _rollout_weights(loss: TokenPPOLoss, b: _Batch) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The rollout-correction weights of a batch and their ``rollout_*`` diagnostics (``None, {}`` when off)."""
+    if loss.rollout_correction is None:
+        return None, {}
+    weights, stats = F.rollout_correction_weights(
+        b.old_logp, b.rollout_logp, b.mask, loss.rollout_correction, return_stats=True, **loss.rollout_thresholds
+    )
+    return weights, {f"rollout_{name}": stat for name, stat in stats.items()}
+
+
 def _attach_networks(loss: TokenPPOLoss, actor_network, critic_network, functional: bool) -> None:
     """The actor and the critic as TorchRL's LossModule holds them: functional parameters or plain modules."""
     if functional:
@@ -610,6 +662,8 @@ def _loss_in_keys(loss: TokenPPOLoss) -> list:
     k = loss.tensor_keys
     critic = getattr(loss, "_has_critic", True)
     keys = [k.mask, k.sample_log_prob]
+    if getattr(loss, "rollout_correction", None) is not None:
+        keys.append(k.rollout_log_prob)
     if getattr(loss, "_requires_ref", True):
         keys.append(k.ref_log_prob)
     keys.append(k.advantage)
@@ -678,6 +732,7 @@ class _Batch(NamedTuple):
     ref_logp: Tensor | None
     returns: Tensor | None
     old_values: Tensor | None
+    rollout_logp: Tensor | None = None
 
 
 # (loss output, functional.ppo_policy_loss statistic)
