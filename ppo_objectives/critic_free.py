@@ -324,7 +324,7 @@ class GroupAdvantage(ValueEstimatorBase):
 
     Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens, and
     ``"value_target"``, a copy of the advantage: there is no critic, train with
-    ``TokenPPOLoss(actor, None)`` (no critic loss).
+    ``TokenPPOLoss(actor, None)`` (no critic loss). Computed without gradient.
 
     Args:
         kind: one of :data:`GROUP_KINDS`.
@@ -438,7 +438,7 @@ class ReinforcePlusPlus(ValueEstimatorBase):
 
     Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens, and
     ``"value_target"``, a copy of the advantage: there is no critic, train with
-    ``TokenPPOLoss(actor, None)``.
+    ``TokenPPOLoss(actor, None)``. Computed without gradient.
 
     Args:
         gamma: discount in [0, 1] (REINFORCE++: 1.0).
