@@ -21,6 +21,7 @@ from ppo_objectives.functional import (
     reference_kl_penalty,
     response_log_probs,
     response_logp_positions,
+    rollout_correction_weights,
     value_checks,
 )
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
@@ -80,6 +81,7 @@ __all__ = [
     "reference_kl_penalty",
     "response_log_probs",
     "response_logp_positions",
+    "rollout_correction_weights",
     "sample_with_kv_cache",
     "trajectories_to_llm_batch",
     "value_checks",
