@@ -24,6 +24,7 @@ from ppo_objectives.functional import (
     rollout_correction_weights,
     value_checks,
 )
+from ppo_objectives.critic_free import GroupAdvantage, ReinforcePlusPlus
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.layouts import ToLLMBatch
 from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch, bootstrap_from_next_turn
@@ -46,12 +47,14 @@ __all__ = [
     "CausalLMTokenLogProbs",
     "DigitTask",
     "FixedKLController",
+    "GroupAdvantage",
     "HFCausalLMAdapter",
     "KLPenaltyTransform",
     "LLMToTokenBatch",
     "MINIMIND_PPO_DEFAULTS",
     "MaskedGAE",
     "NextTokenLogits",
+    "ReinforcePlusPlus",
     "TinyCausalLM",
     "TinyLMConfig",
     "ToLLMBatch",
