@@ -162,8 +162,12 @@ def test_policy_loss_statistics_use_torchrl_names_and_old_names_point_to_them():
 # --------------------------------------------------------------------------- KL estimator gradients
 
 
-def _written_formula(logp, ref, estimator, clamp, old=None):
+def _written_formula(logp, ref, estimator, clamp, old=None, score_grad=False):
     """Each estimator as its docstring writes it, in plain autograd ops."""
+    if score_grad:  # the value of the estimate, the gradient w * log(pi / pi_ref) * grad log pi
+        value = _written_formula(logp, ref, estimator, clamp, old).detach()
+        w = 1.0 if old is None else torch.exp(logp - old).detach()
+        return value + (logp - logp.detach()) * (w * (logp - ref)).detach()
     d = ref - logp
     k1, k2, k3 = -d, 0.5 * d**2, torch.exp(d) - d - 1
     if estimator == "k3+":
@@ -175,19 +179,20 @@ def _written_formula(logp, ref, estimator, clamp, old=None):
     return kl if old is None else torch.exp(logp - old) * kl  # importance weight pi / pi_old
 
 
+@pytest.mark.parametrize("score_grad", [False, True], ids=["own-grad", "score-grad"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
 @pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
-def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp, weighted):
+def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp, weighted, score_grad):
     g = torch.Generator().manual_seed(0)
     logp = (-3 * torch.rand(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
     ref = -3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
     old = (logp.detach() + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)) if weighted else None
     ref[0, 0], logp.data[0, 0] = 3.0, 0.0  # k3 = e^3 - 4 = 16.1: past a clamp of 10
-    got = F.kl_estimate(logp, ref, estimator, clamp=clamp, old_logps=old)
+    got = F.kl_estimate(logp, ref, estimator, clamp=clamp, old_logps=old, score_grad=score_grad)
     (grad_got,) = torch.autograd.grad(got.sum(), logp)
     lp2 = logp.detach().clone().requires_grad_()
-    want = _written_formula(lp2, ref, estimator, clamp, old)
+    want = _written_formula(lp2, ref, estimator, clamp, old, score_grad)
     (grad_want,) = torch.autograd.grad(want.sum(), lp2)
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-12, atol=1e-12)
