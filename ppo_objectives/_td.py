@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
+from tensordict.nn import composite_lp_aggregate
 from tensordict.utils import NestedKey
 from torch import Tensor
 
@@ -21,6 +22,12 @@ _COLLECTOR_FIX = (
     "('next', ...) entries); convert it to the response layout first with "
     "ppo_objectives.trajectories_to_llm_batch(batch, prompt_len, max_new_tokens)"
 )
+
+
+def default_log_prob_key() -> str:
+    """TorchRL's default name of the sampling log-prob entry: ``"sample_log_prob"``, or
+    ``"action_log_prob"`` when :func:`~tensordict.nn.composite_lp_aggregate` is off."""
+    return "sample_log_prob" if composite_lp_aggregate(nowarn=True) else "action_log_prob"
 
 
 def next_key(key: NestedKey) -> tuple[str, ...]:

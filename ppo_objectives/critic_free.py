@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import composite_lp_aggregate, dispatch
+from tensordict.nn import dispatch
 from tensordict.utils import NestedKey
 from torch import Tensor
 from torchrl.objectives.value import ValueEstimatorBase
@@ -373,7 +373,7 @@ class GroupAdvantage(ValueEstimatorBase):
 
         def __post_init__(self):
             if self.sample_log_prob is None:
-                self.sample_log_prob = "sample_log_prob" if composite_lp_aggregate(nowarn=True) else "action_log_prob"
+                self.sample_log_prob = TD.default_log_prob_key()
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
@@ -490,7 +490,7 @@ class ReinforcePlusPlus(ValueEstimatorBase):
 
         def __post_init__(self):
             if self.sample_log_prob is None:
-                self.sample_log_prob = "sample_log_prob" if composite_lp_aggregate(nowarn=True) else "action_log_prob"
+                self.sample_log_prob = TD.default_log_prob_key()
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
