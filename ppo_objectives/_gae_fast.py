@@ -314,10 +314,7 @@ def gae_advantages_torch(
         stop = stop[:, 1 : length + 1]
         packed_e = values.new_zeros(n, length + 3).scatter_(1, idx, end_values.to(dtype))
         next_v = torch.where(stop, packed_e[:, 1 : length + 1], next_v)
-    if isinstance(gamma, Tensor):
-        delta = torch.addcmul(own, next_v, gamma.to(dtype))
-    else:
-        delta = torch.add(own, next_v, alpha=gamma)
+    delta = _td_errors(own, next_v, gamma)
     adv_packed = discounted_reverse_cumsum(delta, gamma * lam, stop=stop)  # [N, L], slot k at column k - 1
     # back to the layout of idx (zero columns at 0, L + 1 and the dump L + 2), then unpack:
     # masked tokens read 0 from the dump column
@@ -336,12 +333,16 @@ def _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_va
     if ends is not None:
         stop = torch.cat([ends[:, :-1], torch.ones_like(ends[:, -1:])], 1)  # the row's last step ends it
         next_v = torch.where(stop, end_values.to(dtype), next_v)
-    if isinstance(gamma, Tensor):
-        delta = torch.addcmul(own, next_v, gamma.to(dtype))
-    else:
-        delta = torch.add(own, next_v, alpha=gamma)
+    delta = _td_errors(own, next_v, gamma)
     # contiguous, as the packed path's gather output is: the whitening sums then add in the same order
     return discounted_reverse_cumsum(delta, gamma * lam, stop=stop).contiguous()
+
+
+def _td_errors(own: Tensor, next_v: Tensor, gamma) -> Tensor:
+    """``own + gamma * next_v`` (``own = r - V``), one fused op for a float or 0-d tensor ``gamma``."""
+    if isinstance(gamma, Tensor):
+        return torch.addcmul(own, next_v, gamma.to(own.dtype))
+    return torch.add(own, next_v, alpha=gamma)
 
 
 def _exclusive_ends(bootstrap_value, ends, end_values) -> None:

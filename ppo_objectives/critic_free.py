@@ -291,19 +291,31 @@ def reinforce_plus_plus_advantages(
     return torch.where(m, returns, zero).to(token_rewards.dtype)
 
 
-def _require(td: TensorDictBase, key: NestedKey, module: str, what: str, fix: str = "") -> Tensor:
-    """``td[key]``, or a ``KeyError`` naming the key, the estimator and the fix."""
-    return TD.require(td, key, module=module, what=what, fix=fix)
+class _CriticFree(ValueEstimatorBase):
+    """What the critic-free estimators share: they write ``advantage`` and its copy
+    ``value_target`` (there is no critic), computed by ``_estimate`` without gradient."""
+
+    @property
+    def out_keys(self):
+        return [self.tensor_keys.advantage, self.tensor_keys.value_target]
+
+    @dispatch
+    def forward(self, tensordict: TensorDictBase, *, params=None, target_params=None) -> TensorDictBase:
+        """Compute ``advantage`` (and its copy ``value_target``) and write them into ``tensordict`` (returned)."""
+        adv = self._estimate(tensordict)
+        tensordict.set(self.tensor_keys.advantage, adv)
+        tensordict.set(self.tensor_keys.value_target, adv.clone())
+        return tensordict
+
+    def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
+        """The advantage of :meth:`forward` (the value target is the advantage), without writing anything."""
+        return self._estimate(tensordict)
+
+    def _estimate(self, td: TensorDictBase) -> Tensor:
+        raise NotImplementedError
 
 
-def _write(estimator: ValueEstimatorBase, td: TensorDictBase, adv: Tensor) -> TensorDictBase:
-    """Write ``adv`` as the advantage and (a copy) as the value target; return ``td``."""
-    td.set(estimator.tensor_keys.advantage, adv)
-    td.set(estimator.tensor_keys.value_target, adv.clone())
-    return td
-
-
-class GroupAdvantage(ValueEstimatorBase):
+class GroupAdvantage(_CriticFree):
     """Group-relative advantages (GRPO, Dr. GRPO, RLOO) as a TorchRL value estimator, no critic.
 
     ``kind="grpo"``: :func:`grpo_advantages` (``(score - mean_g) / (std_g + eps)``,
@@ -390,24 +402,13 @@ class GroupAdvantage(ValueEstimatorBase):
     def in_keys(self):
         return [self.tensor_keys.score, self.tensor_keys.group, self.tensor_keys.mask]
 
-    @property
-    def out_keys(self):
-        return [self.tensor_keys.advantage, self.tensor_keys.value_target]
-
-    @dispatch
-    def forward(self, tensordict: TensorDictBase, *, params=None, target_params=None) -> TensorDictBase:
-        """Compute ``advantage`` (and its copy ``value_target``) and write them into ``tensordict`` (returned)."""
-        return _write(self, tensordict, self._estimate(tensordict))
-
-    def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
-        """The advantage of :meth:`forward` (the value target is the advantage), without writing anything."""
-        return self._estimate(tensordict)
-
     def _estimate(self, td: TensorDictBase) -> Tensor:
         keys, name = self.tensor_keys, "GroupAdvantage"
-        score = _require(td, keys.score, name, "the per-response scores [*B]")
-        group = _require(td, keys.group, name, "the group ids [*B]", "store one int64 id per prompt")
-        mask = _require(td, keys.mask, name, "the response mask [*B, R]")
+        score = TD.require(td, keys.score, module=name, what="the per-response scores [*B]")
+        group = TD.require(
+            td, keys.group, module=name, what="the group ids [*B]", fix="store one int64 id per prompt"
+        )
+        mask = TD.require(td, keys.mask, module=name, what="the response mask [*B, R]")
         with torch.no_grad():
             if self.kind == "rloo":
                 return rloo_advantages(score, group, mask)
@@ -417,7 +418,7 @@ class GroupAdvantage(ValueEstimatorBase):
         return f"kind={self.kind!r}, eps={self.eps}"
 
 
-class ReinforcePlusPlus(ValueEstimatorBase):
+class ReinforcePlusPlus(_CriticFree):
     """REINFORCE++ (and REINFORCE++-baseline) as a TorchRL value estimator, no critic.
 
     :func:`reinforce_plus_plus_advantages`: the discounted returns of the per-token
@@ -519,28 +520,17 @@ class ReinforcePlusPlus(ValueEstimatorBase):
         keys = [("next", self.tensor_keys.reward), self.tensor_keys.mask]
         return keys + ([self.tensor_keys.score, self.tensor_keys.group] if self.baseline else [])
 
-    @property
-    def out_keys(self):
-        return [self.tensor_keys.advantage, self.tensor_keys.value_target]
-
-    @dispatch
-    def forward(self, tensordict: TensorDictBase, *, params=None, target_params=None) -> TensorDictBase:
-        """Compute ``advantage`` (and its copy ``value_target``) and write them into ``tensordict`` (returned)."""
-        return _write(self, tensordict, self._estimate(tensordict))
-
-    def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
-        """The advantage of :meth:`forward` (the value target is the advantage), without writing anything."""
-        return self._estimate(tensordict)
-
     def _estimate(self, td: TensorDictBase) -> Tensor:
         keys, name = self.tensor_keys, "ReinforcePlusPlus"
-        reward = _require(td, ("next", keys.reward), name, "the per-token rewards [*B, R]")
+        reward = TD.require(td, ("next", keys.reward), module=name, what="the per-token rewards [*B, R]")
         ref = f"reward {('next', keys.reward)!r}"
         mask = TD.mask_or_all(td.get(keys.mask, None), f"mask {keys.mask!r}", reward.shape, ref, reward.device)
         score = group = None
         if self.baseline:
-            score = _require(td, keys.score, name, "the per-response scores [*B]", "or use baseline=False")
-            group = _require(td, keys.group, name, "the group ids [*B]", "store one int64 id per prompt")
+            score = TD.require(td, keys.score, module=name, what="the per-response scores [*B]",
+                               fix="or use baseline=False")  # fmt: skip
+            group = TD.require(td, keys.group, module=name, what="the group ids [*B]",
+                               fix="store one int64 id per prompt")  # fmt: skip
         with torch.no_grad():
             return reinforce_plus_plus_advantages(
                 reward, mask, gamma=self.gamma, scores=score, group=group, whiten=self.whiten, eps=self.eps,
