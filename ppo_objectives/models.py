@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from dataclasses import asdict, dataclass
@@ -211,6 +212,25 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+#: The dtypes ``autocast_dtype`` accepts (besides ``None``, full precision).
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_autocast_dtype(dtype, who: str) -> None:
+    if dtype is not None and dtype not in _AUTOCAST_DTYPES:
+        raise ValueError(
+            f"{who}.autocast_dtype={dtype!r} is not supported: use torch.bfloat16 or torch.float16 for a "
+            f"mixed-precision forward, or None for the parameters' own precision"
+        )
+
+
+def _autocast(dtype, device: torch.device):
+    """``torch.autocast`` on ``device``'s type in ``dtype``, or a no-op context for ``None``."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
 class _SelfAttention(nn.Module):
     def __init__(self, cfg: TinyLMConfig):
         super().__init__()
@@ -269,6 +289,15 @@ class TinyCausalLM(nn.Module):
     padding) then sees one finite value instead of an empty softmax, so no NaN
     appears anywhere; pad outputs are garbage nobody reads.
 
+    **Mixed precision.** ``autocast_dtype`` (``torch.bfloat16`` /
+    ``torch.float16``; a constructor keyword and a plain attribute that may be
+    set later, e.g. on a ``copy.deepcopy``) runs the forward under
+    ``torch.autocast(device_type=<parameter device type>, dtype=autocast_dtype)``:
+    the parameters stay in their dtype, the logits are still returned in
+    float32, the hidden states in the dtype autocast produced, and
+    :meth:`new_cache` allocates in ``autocast_dtype``. ``None`` (the default)
+    runs the plain forward, bit for bit.
+
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
@@ -286,11 +315,13 @@ class TinyCausalLM(nn.Module):
 
     supports_kv_cache = True
 
-    def __init__(self, config: TinyLMConfig):
+    def __init__(self, config: TinyLMConfig, *, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         if not isinstance(config, TinyLMConfig):
             raise TypeError(f"config must be a TinyLMConfig, got {type(config).__name__}")
+        _check_autocast_dtype(autocast_dtype, "TinyCausalLM")
         self.config = config
+        self.autocast_dtype = autocast_dtype
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -355,8 +386,18 @@ class TinyCausalLM(nn.Module):
                     f"cannot look it up; check the tokenizer / env vocabulary against the model config"
                 )
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the forward computes keys / values in: ``autocast_dtype``, else the parameters'."""
+        _check_autocast_dtype(self.autocast_dtype, "TinyCausalLM")
+        return self.wte.weight.dtype if self.autocast_dtype is None else self.autocast_dtype
+
     def new_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> KVCache:
-        """An empty cache for ``batch_size`` rows of up to ``max_len`` columns."""
+        """An empty cache for ``batch_size`` rows of up to ``max_len`` columns.
+
+        ``dtype`` defaults to the dtype the forward computes keys / values in
+        (``autocast_dtype`` when set, else the parameters' dtype); the forward
+        refuses a cache of another dtype.
+        """
         if max_len > self.config.block_size:
             raise ValueError(
                 f"max_len={max_len} exceeds block_size={self.config.block_size}: the model has no "
@@ -366,7 +407,7 @@ class TinyCausalLM(nn.Module):
         c = self.config
         shape = (c.n_layer, batch_size, c.n_head, max_len, c.n_embd // c.n_head)
         device = p.device if device is None else device
-        dtype = p.dtype if dtype is None else dtype
+        dtype = self._compute_dtype() if dtype is None else dtype
         return KVCache(
             k=torch.zeros(shape, device=device, dtype=dtype),
             v=torch.zeros(shape, device=device, dtype=dtype),
@@ -393,8 +434,23 @@ class TinyCausalLM(nn.Module):
             cache: a :class:`KVCache`, updated in place (inference only).
             cache_slots: the columns these tokens occupy in the cache: an int start or ``[B, T]``.
             compute_logits: skip the LM head (a prefill only needs the cache).
+
+        Under ``autocast_dtype`` the same forward runs inside ``torch.autocast``
+        (class docstring); the logits are float32 either way.
         """
         self._check_inputs(input_ids, attention_mask)
+        if cache is not None and cache.k.dtype != self._compute_dtype():
+            raise ValueError(
+                f"cache holds {cache.k.dtype} keys/values but this forward computes them in "
+                f"{self._compute_dtype()} (autocast_dtype={self.autocast_dtype}): they cannot be written into it; "
+                f"build the cache with new_cache() and no dtype, after setting autocast_dtype"
+            )
+        if self.autocast_dtype is None:
+            return self._forward(input_ids, attention_mask, position_ids, cache, cache_slots, compute_logits)
+        with _autocast(self.autocast_dtype, self.wte.weight.device):
+            return self._forward(input_ids, attention_mask, position_ids, cache, cache_slots, compute_logits)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, cache_slots, compute_logits) -> LMOutput:
         B, T = input_ids.shape
         device = input_ids.device
         if attention_mask is None:
@@ -513,19 +569,33 @@ class HFCausalLMAdapter(nn.Module):
 
     supports_kv_cache = False
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, *, autocast_dtype: torch.dtype | None = None):
         super().__init__()
+        _check_autocast_dtype(autocast_dtype, "HFCausalLMAdapter")
         self.hf_model = hf_model
+        self.autocast_dtype = autocast_dtype
 
-    @classmethod
-    def from_config(cls, config) -> "HFCausalLMAdapter":
+    @staticmethod
+    def _auto_model_class():
         try:
             from transformers import AutoModelForCausalLM
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "HFCausalLMAdapter needs transformers; install the extra: pip install 'ppo_objectives[hf]'"
             ) from err
-        return cls(AutoModelForCausalLM.from_config(config))
+        return AutoModelForCausalLM
+
+    @classmethod
+    def from_config(cls, config, *, autocast_dtype: torch.dtype | None = None) -> "HFCausalLMAdapter":
+        """A freshly initialised model: ``AutoModelForCausalLM.from_config(config)``."""
+        return cls(cls._auto_model_class().from_config(config), autocast_dtype=autocast_dtype)
+
+    @classmethod
+    def from_pretrained(cls, path, *, autocast_dtype: torch.dtype | None = None, **kwargs) -> "HFCausalLMAdapter":
+        """A saved model from a local directory: ``AutoModelForCausalLM.from_pretrained(path,
+        local_files_only=True, **kwargs)`` (no network; ``kwargs`` such as ``dtype=`` pass through)."""
+        kwargs.setdefault("local_files_only", True)
+        return cls(cls._auto_model_class().from_pretrained(path, **kwargs), autocast_dtype=autocast_dtype)
 
     @property
     def hidden_size(self) -> int:
@@ -542,6 +612,7 @@ class HFCausalLMAdapter(nn.Module):
     def forward(self, input_ids, attention_mask=None, *, position_ids=None, compute_logits=True, **unused) -> LMOutput:
         if unused.get("cache") is not None:
             raise ValueError("HFCausalLMAdapter has no per-row KV cache (supports_kv_cache is False)")
+        _check_autocast_dtype(self.autocast_dtype, "HFCausalLMAdapter")
         if _validate.checking_values() and input_ids.numel():  # the embedding's IndexError names nothing
             lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
             if lo < 0 or hi >= self.vocab_size:
@@ -554,8 +625,9 @@ class HFCausalLMAdapter(nn.Module):
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden = hf_forward(
-            hf_decoder(self.hf_model), input_ids, attention_mask, position_ids=position_ids, use_cache=False
-        )
-        logits = self.lm_head(hidden).float() if compute_logits else None
+        with _autocast(self.autocast_dtype, self.lm_head.weight.device):
+            hidden = hf_forward(
+                hf_decoder(self.hf_model), input_ids, attention_mask, position_ids=position_ids, use_cache=False
+            )
+            logits = self.lm_head(hidden).float() if compute_logits else None
         return LMOutput(logits, hidden)

@@ -109,6 +109,16 @@ def _param_version(params: list[Tensor]) -> int:
     return sum(p._version for p in params)
 
 
+def _head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """``model.lm_head(hidden)`` in float32, under the model's ``autocast_dtype`` when it has one set
+    (hidden states made under autocast need not match the head's parameter dtype)."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return model.lm_head(hidden).float()
+    with torch.autocast(device_type=model.lm_head.weight.device.type, dtype=dtype):
+        return model.lm_head(hidden).float()
+
+
 class NextTokenLogits(nn.Module):
     """Logits of the next token for each env row, from the token buffer.
 
@@ -152,11 +162,14 @@ class NextTokenLogits(nn.Module):
         self._cache_len: Tensor | None = None
         self._cache_tokens: Tensor | None = None
         self._cache_version = -1
+        self._cache_autocast: torch.dtype | None = None
         self._params: list[Tensor] | None = None
 
     def __getstate__(self):  # never pickle the cache into collector workers
         state = self.__dict__.copy()
-        state.update(_cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _params=None)
+        state.update(
+            _cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _cache_autocast=None, _params=None
+        )
         return state
 
     def forward(self, tokens: Tensor, attention_mask: Tensor, position: Tensor) -> Tensor:
@@ -189,7 +202,7 @@ class NextTokenLogits(nn.Module):
         tokens, attention_mask, last = tokens.reshape(-1, S), attention_mask.reshape(-1, S), position.reshape(-1) - 1
         hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
         h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-        return self.model.lm_head(h).float().reshape(*lead, -1)
+        return _head_logits(self.model, h).reshape(*lead, -1)
 
     def _current_cache(self, tokens: Tensor) -> KVCache:
         """The module's cache for this buffer, rebuilt empty when the batch shape, the buffer length,
@@ -205,12 +218,14 @@ class NextTokenLogits(nn.Module):
             or cache.max_len != S
             or cache.k.device != tokens.device
             or version != self._cache_version
+            or self._cache_autocast != getattr(self.model, "autocast_dtype", None)
         ):
             cache = self._cache = self.model.new_cache(N, S, device=tokens.device)
             self._cache_len = torch.full((N,), -1, dtype=torch.long, device=tokens.device)
             self._cache_tokens = None
             self._params = list(self.model.parameters())  # re-read on every rebuild
             self._cache_version = _param_version(self._params)
+            self._cache_autocast = getattr(self.model, "autocast_dtype", None)
         return cache
 
     def _prefill(self, cache: KVCache, tokens, attention_mask, pos_ids, stale: Tensor, last: Tensor) -> None:
