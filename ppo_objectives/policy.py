@@ -26,6 +26,11 @@ O(S) work per token instead of O(S^2). Finding the stale rows is one host
 sync per step (``.any()``); it is on the env path only, never in the loss.
 The cache is used only under ``torch.no_grad()`` (rollouts); with gradients
 enabled the module runs a plain full forward, so it stays differentiable.
+The same code drives :class:`~ppo_objectives.models.TinyCausalLM` and
+:class:`~ppo_objectives.models.HFCausalLMAdapter` (whose ``new_cache`` /
+``cache_slots`` interface is the tiny model's); a model whose
+``supports_kv_cache`` is False gets the full forward per token. Under a model's
+``autocast_dtype`` the cache is kept in that dtype and rebuilt when it changes.
 """
 
 from __future__ import annotations

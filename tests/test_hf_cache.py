@@ -4,9 +4,11 @@ import copy
 
 import pytest
 import torch
+from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ppo_objectives.models import HFCausalLMAdapter, TinyCausalLM, TinyLMConfig, position_ids_from_mask
-from ppo_objectives.policy import NextTokenLogits
+from ppo_objectives.envs import DigitTask, TokenLMEnv
+from ppo_objectives.models import HFCausalLMAdapter, KVCache, TinyCausalLM, TinyLMConfig, position_ids_from_mask
+from ppo_objectives.policy import NextTokenLogits, make_actor
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,7 +37,7 @@ def _batch(B=4, T=12, vocab=32, seed=1):
     ids = torch.randint(1, vocab, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, :3] = False  # left padding of different widths
-    mask[2, :5] = False
+    mask[B - 2, :5] = False
     return ids, mask
 
 
@@ -128,3 +130,185 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
     loaded.autocast_dtype = None
     ids, mask = _batch()
     torch.testing.assert_close(loaded(ids, mask).logits, lm(ids, mask).logits, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- the per-row KV cache
+
+
+def _hf(kind="llama", attn="sdpa", vocab=32, seed=0, **kw):
+    """Tiny Llama (grouped-query attention: 4 query heads, 2 key/value heads) or Qwen2 (4 / 4, q/k/v biases)."""
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=32, attn_implementation=attn)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(num_key_value_heads=2, **common, **kw)
+    else:
+        cfg = transformers.Qwen2Config(num_key_value_heads=4, **common, **kw)
+    torch.manual_seed(seed)
+    return HFCausalLMAdapter.from_config(cfg).eval()
+
+
+MODELS = [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")]
+
+
+@pytest.mark.parametrize("kind, attn", MODELS)
+def test_hf_cache_in_pieces_equals_the_full_forward_with_left_padding(kind, attn):
+    lm = _hf(kind, attn)
+    assert lm.supports_kv_cache
+    ids, mask = _batch(B=3, T=10)
+    pos = position_ids_from_mask(mask)
+    cache = lm.new_cache(3, 12)
+    H_kv = 2 if kind == "llama" else 4
+    assert cache.k.shape == (2, 3, H_kv, 12, 8) and cache.v.shape == cache.k.shape
+    with torch.no_grad():
+        full = lm(ids, mask).logits
+        pieces = [lm(ids[:, :6], mask[:, :6], position_ids=pos[:, :6], cache=cache, cache_slots=0).logits]
+        for t in range(6, 10):  # one token at a time, through [B, T] slots
+            slots = torch.full((3, 1), t)
+            pieces.append(lm(ids[:, t:t + 1], mask[:, t:t + 1], position_ids=pos[:, t:t + 1], cache=cache,
+                             cache_slots=slots).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1)[mask], full[mask], atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.valid[:, :10], mask) and not cache.valid[:, 10:].any()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_cache_rows_at_different_slots_equal_their_own_full_forward(kind):
+    # rows 0 / 1 / 2 (3 / 5 / 0 pads) write columns 4 / 6 / 7 in the same call: per-row slots and positions
+    lm = _hf(kind)
+    ids, mask = _batch(B=3, T=8)
+    pos = position_ids_from_mask(mask)
+    cache = lm.new_cache(3, 8)
+    last = torch.tensor([4, 6, 7])
+    with torch.no_grad():
+        prefix = mask & (torch.arange(8) < last[:, None])
+        lm(ids, prefix, position_ids=pos, cache=cache, cache_slots=0, compute_logits=False)
+        step = lm(ids.gather(1, last[:, None]), mask.gather(1, last[:, None]), position_ids=pos.gather(1, last[:, None]),
+                  cache=cache, cache_slots=last[:, None]).logits[:, 0]
+        ref = torch.stack([lm(ids[b:b + 1, : int(last[b]) + 1], mask[b:b + 1, : int(last[b]) + 1]).logits[0, -1]
+                           for b in range(3)])
+    torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-5)
+
+
+def _rollout_logits(head, env, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    td = env.reset()
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = head(td["tokens"], td["attention_mask"], td["position"])
+        out.append((td.clone(), logits))
+        td["action"] = torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(-1)
+        _, td = env.step_and_maybe_reset(td)  # done rows get a fresh prompt (partial reset)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_next_token_logits_equal_the_full_forward_through_partial_resets(kind):
+    task = DigitTask("reverse", 3, min_digits=1)  # prompts of 2 to 4 tokens, left-padded to 4
+    env = TokenLMEnv.from_task(task, num_envs=5, seed=1)
+    lm = _hf(kind, vocab=task.vocab_size)
+    head = NextTokenLogits(lm)
+    assert head.use_kv_cache
+    resets = 0
+    for td, logits in _rollout_logits(head, env, steps=14):
+        resets += int((td["position"] == env.prompt_len).sum())
+        with torch.no_grad():
+            ref = lm(td["tokens"], td["attention_mask"]).logits[torch.arange(5), td["position"] - 1]
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    assert resets > 5  # rows finished (EOS or length) and reset at different steps
+
+
+def _collect(model, use_kv_cache, *, seed=0, num_envs=4, batches=2, exploration=ExplorationType.RANDOM):
+    from torchrl.collectors import Collector
+
+    task = DigitTask("reverse", 3, min_digits=1)
+    env = TokenLMEnv.from_task(task, num_envs=num_envs, seed=seed)
+    N, M = num_envs, env.max_new_tokens
+    torch.manual_seed(seed)
+    collector = Collector(env, make_actor(model, use_kv_cache=use_kv_cache), frames_per_batch=N * M,
+                          total_frames=batches * N * M, reset_at_each_iter=True, auto_register_policy_transforms=False)
+    try:
+        with set_exploration_type(exploration):
+            return torch.cat([b.clone() for b in collector], -1)
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_collector_rollouts_with_the_cache_equal_the_uncached_ones(kind):
+    lm = _hf(kind, vocab=DigitTask("copy", 1).vocab_size)
+    cached, plain = _collect(lm, True), _collect(lm, False)
+    assert torch.equal(cached["action"], plain["action"])  # the same draws from (nearly) the same logits
+    torch.testing.assert_close(cached["sample_log_prob"], plain["sample_log_prob"], atol=1e-5, rtol=1e-5)
+    done = cached["next", "done"].reshape(4, 2, -1)  # [N, batches, M]
+    assert done[..., :-1].any()  # some rows finished (EOS) before the batch's last step, then reset
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_greedy_decoding_gives_the_same_token_stream_with_and_without_the_cache(kind):
+    lm = _hf(kind, vocab=DigitTask("copy", 1).vocab_size, seed=3)
+    greedy = ExplorationType.DETERMINISTIC
+    cached, plain = _collect(lm, True, exploration=greedy), _collect(lm, False, exploration=greedy)
+    assert torch.equal(cached["action"], plain["action"])
+    torch.testing.assert_close(cached["sample_log_prob"], plain["sample_log_prob"], atol=1e-5, rtol=1e-5)
+
+
+def test_hf_cache_under_autocast_matches_the_autocast_full_forward():
+    lm = _hf("llama")
+    lm.autocast_dtype = torch.bfloat16
+    ids, mask = _batch(B=3, T=10)
+    cache = lm.new_cache(3, 10)
+    assert cache.k.dtype == torch.bfloat16
+    with torch.no_grad():
+        full = lm(ids, mask).logits
+        cached = lm(ids, mask, position_ids=position_ids_from_mask(mask), cache=cache, cache_slots=0).logits
+    torch.testing.assert_close(cached[mask], full[mask], atol=AUTOCAST_ATOL[torch.bfloat16], rtol=0)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_hf_cache_is_refused_for_unverified_models_and_the_env_policy_falls_back():
+    sliding = _hf("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert not sliding.supports_kv_cache and not NextTokenLogits(sliding).use_kv_cache
+    with pytest.raises(ValueError, match=r"no per-row KV cache for this model: layer_types=\['full_attention', "
+                                         r"'sliding_attention'\] holds non-full attention layers"):
+        sliding.new_cache(1, 8)
+    cfg = transformers.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    mistral = HFCausalLMAdapter.from_config(cfg)
+    assert not mistral.supports_kv_cache
+    with pytest.raises(ValueError, match=r"model_type='mistral' is not among the verified ones"):
+        mistral.new_cache(1, 8)
+    cache = _hf("llama").new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"model_type='mistral' is not among the verified ones"):
+        mistral(torch.ones(1, 2, dtype=torch.long), cache=cache, cache_slots=0)
+    mistral.hf_model.config._attn_implementation = "sdpa"
+    lm = _hf("llama")
+    lm.hf_model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"attention implementation 'flex_attention' does not read an explicit"):
+        lm.new_cache(1, 8)
+
+
+def test_hf_cache_errors_name_the_problem():
+    lm = _hf("llama")
+    cache = lm.new_cache(2, 8)
+    ids = torch.ones(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cache holds 2 rows but input_ids has B=3"):
+        lm(ids, cache=cache, cache_slots=0)
+    with pytest.raises(ValueError, match=r"cache_slots is required with a cache"):
+        lm(ids[:2], cache=cache)
+    with pytest.raises(ValueError, match=r"cache_slots has shape \(2, 1\) but input_ids has shape \(2, 2\)"):
+        lm(ids[:2], cache=cache, cache_slots=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"cache=dict is no per-row KV cache of HFCausalLMAdapter"):
+        lm(ids[:2], cache={}, cache_slots=0)
+    with pytest.raises(ValueError, match=r"max_len=33 exceeds max_position_embeddings=32"):
+        lm.new_cache(1, 33)
+    with pytest.raises(ValueError, match=r"batch_size=0 must be an int >= 1"):
+        lm.new_cache(0, 8)
+    lm.autocast_dtype = torch.float16
+    with pytest.raises(ValueError, match=r"cache holds torch.float32 keys/values but this forward computes them in "
+                                         r"torch.float16"):
+        lm(ids[:2], cache=cache, cache_slots=0)
+    assert isinstance(lm.new_cache(1, 4), KVCache) and lm.new_cache(1, 4).k.dtype == torch.float16
