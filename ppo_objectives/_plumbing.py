@@ -8,6 +8,10 @@ that it can be read (and tested) on its own:
   all-reduce that is the identity without a process group, the
   ``DistributedDataParallel`` wrappers of the actor and the critic, and the exact
   check that every rank ends with the same parameters;
+* **FSDP2** (``--fsdp``) -- the actor's and the critic's models sharded with
+  ``torch.distributed.fsdp.fully_shard`` (each transformer block, then the root), the
+  whole actor gathered for the rollout, gradient clipping over sharded gradients, and
+  checkpoint entries that gather (and scatter back) full model and optimizer state dicts;
 * **checkpoints** -- the state of a run (networks, optimizers, KL controller,
   collapse guard, the RNG states of every rank), written atomically and read back
   for ``--resume``;
@@ -28,13 +32,14 @@ but they are not part of the public API (``read_metrics`` is, through
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,10 +53,14 @@ __all__ = [
     "append_metrics",
     "LOGGERS",
     "check_logger",
+    "check_fsdp",
     "check_ranks_in_sync",
     "checkpoint_state",
+    "clip_grad_norm_",
     "close_distributed",
     "close_logger",
+    "fsdp_stateful",
+    "gathered_for_rollout",
     "init_distributed",
     "launched_world_size",
     "load_checkpoint",
@@ -65,7 +74,9 @@ __all__ = [
     "restore_state",
     "rng_states",
     "save_checkpoint",
+    "shard_fsdp",
     "snapshot",
+    "transformer_blocks",
     "truncate_metrics",
     "warn",
     "wrap_ddp",
@@ -158,18 +169,29 @@ def wrap_ddp(ac: ActorCritic, d: Dist, device: torch.device) -> tuple[TensorDict
 
 
 def param_checksums(modules: Iterable[torch.nn.Module]) -> torch.Tensor:
-    """Per parameter ``(sum, sum of squares, position-weighted sum)`` in float64 ([3 * n_params])."""
+    """Per parameter ``(sum, sum of squares, position-weighted sum)`` in float64 ([3 * n_params]).
+
+    A parameter sharded by FSDP (a ``DTensor``) is summed as the full tensor its shards make
+    (``full_tensor()``, an all-gather: under FSDP every rank calls this together)."""
+    from torch.distributed.tensor import DTensor
+
     rows = []
     for m in modules:
         for p in m.parameters():
-            x = p.detach().double().flatten()
+            x = p.detach()
+            x = (x.full_tensor() if isinstance(x, DTensor) else x).double().flatten()
             w = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64) / x.numel()
             rows.append(torch.stack([x.sum(), (x * x).sum(), (x * w).sum()]))
     return torch.cat(rows)
 
 
 def check_ranks_in_sync(modules: Iterable[torch.nn.Module], group) -> None:
-    """Raise when the parameters differ between ranks (their checksums are compared exactly)."""
+    """Raise when the parameters differ between ranks (their checksums are compared exactly).
+
+    Under DDP every rank holds every parameter, and a rank that missed a gradient all-reduce drifts.
+    Under FSDP each element of a sharded parameter lives on one rank only, so the gathered
+    parameters are equal by construction; what can still drift is every unsharded parameter.
+    """
     if group is None:
         return
     c = param_checksums(modules)
@@ -180,6 +202,214 @@ def check_ranks_in_sync(modules: Iterable[torch.nn.Module], group) -> None:
             f"the parameters differ between the {dist.get_world_size(group)} ranks (first at parameter #{first}): "
             "the gradients were not synchronised -- call the DDP-wrapped networks, never their .module"
         )
+
+
+# --------------------------------------------------------------------------- #
+# FSDP2 (--fsdp): sharded actor and critic under torchrun
+# --------------------------------------------------------------------------- #
+
+
+def check_fsdp(fsdp: bool, *, shared_trunk: bool, workers: int) -> None:
+    """Raise when ``--fsdp`` cannot run as configured (before any process group or model exists).
+
+    ``--fsdp`` needs a ``torchrun`` launch (it shards over the job's ranks), a critic with its own
+    trunk (a shared trunk would be sharded twice), and the in-process collector (worker processes
+    would get a shard each, not the policy). Nothing to check without ``--fsdp``.
+
+    Example:
+        >>> check_fsdp(False, shared_trunk=True, workers=4)  # no --fsdp: nothing to check
+        >>> check_fsdp(True, shared_trunk=True, workers=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: --fsdp --shared-trunk: ...
+    """
+    if not fsdp:
+        return
+    if shared_trunk:
+        raise ValueError(
+            "--fsdp --shared-trunk: the actor and the critic would share one trunk, and fully_shard would shard "
+            "it once for each (its parameters would belong to two FSDP groups); drop --shared-trunk with --fsdp "
+            "(the critic then has its own copy of the trunk, sharded as well)"
+        )
+    if workers > 1:
+        raise ValueError(
+            f"--fsdp --workers {workers}: collector worker processes would receive a shard of the actor each, "
+            "not the policy; use --workers 1 with --fsdp (the rollout runs in-process on the gathered actor)"
+        )
+    if not launched_world_size():
+        raise ValueError(
+            "--fsdp shards the models over the ranks of a torchrun job, and this process was not launched by "
+            "torchrun (WORLD_SIZE is not set): run torchrun --nproc_per_node N -m ppo_objectives.train --fsdp "
+            "..., or drop --fsdp for a single process"
+        )
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a causal LM: the elements of its largest ``nn.ModuleList`` (by parameter
+    count) whose elements are all of one class; ``[]`` when it has none.
+
+    Found generically: ``TinyCausalLM.blocks``, ``HFCausalLMAdapter.hf_model.model.layers`` (Llama, Qwen2).
+
+    Example:
+        >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("nano", vocab_size=10, block_size=8))
+        >>> blocks = transformer_blocks(lm)
+        >>> len(blocks), all(b is lm.blocks[i] for i, b in enumerate(blocks))
+        (2, True)
+        >>> transformer_blocks(torch.nn.Linear(2, 2))
+        []
+    """
+    best, most = [], 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > most:
+                best, most = list(m), n
+    return best
+
+
+def shard_fsdp(ac: ActorCritic, d: Dist, device: torch.device) -> tuple[TensorDictModule, TensorDictModule, list]:
+    """Shard the actor's and the critic's networks over the ranks with FSDP2 (``fully_shard``), in place.
+
+    Each transformer block (:func:`transformer_blocks`) is one FSDP group, then the model itself (the
+    embeddings, the final norm, the LM head) and the critic's value head: every parameter, its gradient
+    and its AdamW moments become a ``DTensor`` sharded on dim 0, each rank holding ``~1/world`` of it.
+    A forward all-gathers a group's parameters just before it runs and frees them after it, the root
+    groups too (FSDP's default keeps a root gathered until its backward): so between forwards
+    ``model.parameters()`` are always the sharded parameters the optimizers hold, which the trust
+    region's snapshots, the gradient clipping and a forward without backward rely on. A backward
+    reduce-scatters the gradients, averaged over the ranks as ``DistributedDataParallel`` averages them, so
+    ``functional.loss_normalizer(..., process_group=)`` keeps its meaning. Rank 0's parameters are
+    broadcast first (every rank starts from the same model, as with DDP).
+
+    Build the frozen reference and anything else that copies the actor *before* this call, and the
+    optimizers after it (over the sharded parameters). The rollout runs inside
+    :func:`gathered_for_rollout` (a rank makes as many actor forwards as its env rows need).
+
+    Returns ``(actor, critic, [])`` like :func:`wrap_ddp`: ``ac.actor`` and ``ac.critic`` themselves
+    (their networks are now the FSDP modules), and no wrappers to free.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if d.group is None:
+        raise ValueError("shard_fsdp needs a torchrun process group (init_distributed found none); launch with "
+                         "torchrun --nproc_per_node N, or call wrap_ddp / use the networks as they are")
+    mesh = init_device_mesh(device.type, (d.world,))
+    for model in (ac.actor_model, ac.critic_model, ac.critic_head):
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t, 0, group=d.group)
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too (FSDP keeps it gathered)
+    return ac.actor, ac.critic, []
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered_for_rollout(model: torch.nn.Module) -> Iterator[None]:
+    """The whole of a sharded ``model`` on every rank while the block runs; nothing for an unsharded one.
+
+    The env policy calls the actor once or twice per env step, depending on which rows reset
+    (``NextTokenLogits``' prefill of stale rows, ``ppo_objectives/policy.py``), so the ranks make
+    different numbers of forwards in a rollout: with sharded parameters each forward would all-gather,
+    and the ranks would wait on each other's collectives. Inside this block every FSDP group of ``model``
+    is all-gathered once (``FSDPModule.unshard``) and kept whole (``set_reshard_after_forward(False)``),
+    so a forward runs no collective; at the end the parameters are sharded again and every group
+    reshards after its forwards again (as :func:`shard_fsdp` set it).
+
+    Memory: each rank holds one full copy of the actor's parameters during the rollout (no gradients,
+    no optimizer state), freed when the block ends; the sharded training state is untouched. A
+    persistent unsharded copy of the actor, refreshed every iteration, would cost that much at all times.
+    """
+    mods = _fsdp_modules(model)
+    if not mods:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for m in mods:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+        model.set_reshard_after_forward(True)
+
+
+def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, and the total norm as a plain 0-d tensor.
+
+    With FSDP-sharded parameters the gradients are ``DTensor`` shards: torch computes the norm over every
+    rank's shards and returns it as a replicated ``DTensor``; its local value (the same on every rank) is
+    returned, so it can be all-reduced and read like the norm of unsharded gradients. Plain parameters
+    go through torch's function unchanged.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> clip_grad_norm_([w], 1.0), w.grad
+        (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.to_local() if isinstance(norm, DTensor) else norm
+
+
+class _FullStateDict:
+    """A checkpoint entry of an FSDP-sharded model (``optimizer=None``) or of its optimizer: ``state_dict()``
+    gathers the full state on rank 0 (CPU; ``{}`` on the other ranks), ``load_state_dict()`` takes a
+    full state dict on every rank and keeps this rank's shards. Both are collectives."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return dcp.get_model_state_dict(self.model, options=opts)
+        return dcp.get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        opts = dcp.StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            dcp.set_model_state_dict(self.model, state, options=opts)
+            return
+        if any(isinstance(k, int) for k in state.get("state", {})):
+            raise ValueError(
+                "--resume --fsdp: the checkpoint's optimizer state is keyed by parameter index, as a run "
+                "without --fsdp writes it (--fsdp keys it by parameter name); resume with the flags the "
+                "checkpoint was written with"
+            )
+        dcp.set_optimizer_state_dict(self.model, self.optimizer, state, options=opts)
+
+
+def fsdp_stateful(stateful: Mapping[str, object], ac: ActorCritic) -> dict:
+    """``stateful`` (checkpoint entries by name) with the sharded networks and their optimizers replaced by
+    entries that gather full state dicts (:class:`_FullStateDict`): ``actor_model``, ``critic_model``,
+    ``critic_head``, and ``actor_opt`` / ``critic_opt`` when present (the optimizers of the actor's and of
+    the critic's parameters). The model entries hold the same keys and full tensors as a run without
+    ``--fsdp``; the optimizer entries are keyed by parameter name
+    (``torch.distributed.checkpoint.state_dict``), so a checkpoint resumes with the same ``--fsdp``."""
+    out = dict(stateful)
+    for name in ("actor_model", "critic_model", "critic_head"):
+        out[name] = _FullStateDict(getattr(ac, name))
+    if "actor_opt" in out:
+        out["actor_opt"] = _FullStateDict(ac.actor_model, stateful["actor_opt"])
+    if "critic_opt" in out:  # the critic's trunk and head: both under the critic's module
+        out["critic_opt"] = _FullStateDict(ac.critic.module, stateful["critic_opt"])
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -415,6 +645,7 @@ def _purge_tensorboard(writer, step: int) -> None:
 
 def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
     """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
+    FSDP-sharded tensors (``DTensor``) are copied shard by shard: each rank keeps a copy of its shards.
 
     ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
     (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
@@ -423,7 +654,8 @@ def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[d
             if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
     if reuse is not None and len(reuse[2]) == len(live):
         saved_params, states, flat = reuse
-        torch._foreach_copy_(saved_params + flat, [p.detach() for p in params] + [v for *_, v in live])
+        sources = [p.detach() for p in params] + [v for *_, v in live]
+        torch._foreach_copy_(_locals(saved_params + flat), _locals(sources))
         return reuse
     saved_params = [p.detach().clone() for p in params]
     states = [{} for _ in optimizers]
@@ -433,6 +665,14 @@ def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[d
         states[i].setdefault(p, {})[k] = copy_v
         flat.append(copy_v)
     return saved_params, states, flat
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor, or the local shard of a ``DTensor`` (FSDP's parameters and AdamW moments): in-place
+    copies between tensors of the same sharding run on the shards."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def restore(snap, params, optimizers) -> None:

@@ -32,6 +32,26 @@ the non-finite guard decide on global numbers (all ranks stop and skip together)
 and the logged metrics are over all ranks. Only rank 0 writes metrics, plot and
 checkpoint; the run ends by checking that the parameters are identical on every rank.
 
+Sharded (FSDP2): ``torchrun ... -m ppo_objectives.train --fsdp`` shards the actor's and the
+critic's models instead (``torch.distributed.fsdp.fully_shard`` on each transformer block, then
+on the model and the value head; ``_plumbing.shard_fsdp``), for models whose optimizer state
+does not fit one rank: each rank holds ``1/world`` of every parameter, gradient and AdamW
+moment. Everything above holds unchanged: a forward all-gathers the parameters it needs, a
+backward reduce-scatters the gradients averaged over the ranks (as DDP averages them, so the
+global-token normaliser keeps its meaning), and the optimizer steps the shards; the trust
+region's snapshot and backtracking, the gradient clipping (the norm over every rank's shards)
+and the non-finite guard work on the shards. The rollout runs on the whole actor, gathered once
+per iteration and kept gathered until the batch is made (``_plumbing.gathered_for_rollout``):
+the env policy makes one or two forwards per env step depending on which rows reset, a number
+that differs between ranks, so per-forward all-gathers would leave ranks waiting on each other.
+That costs one full copy of the actor's parameters per rank during the rollout (no gradients, no
+optimizer state). The frozen reference is copied before sharding and stays whole (it has no
+optimizer state). Checkpoints hold full state dicts, gathered on rank 0
+(``torch.distributed.checkpoint.state_dict``; the models' as without ``--fsdp``, the optimizers'
+keyed by parameter name), and ``--resume`` loads them on every rank, keeping its shards;
+resume with the same ``--fsdp``. ``--fsdp`` needs torchrun, a critic with its own trunk (no
+``--shared-trunk``) and ``--workers 1``.
+
 Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/training.png``)
 ----------------------------------------------------------------------------------------
 
@@ -216,6 +236,9 @@ class TrainConfig:
     digits: int = _f(3, "digits per operand of the task")
     preset: str = _f("nano", "TinyCausalLM size preset", choices=("pico", "nano", "micro"))
     shared_trunk: bool = _f(False, "critic value head on the actor's trunk instead of its own copy")
+    fsdp: bool = _f(False, "under torchrun: shard the actor's and the critic's models over the ranks with FSDP2 "
+                           "(fully_shard per transformer block, then the model) instead of DDP, so parameters, "
+                           "gradients and AdamW state are split across ranks; the reference stays whole")
     num_envs: int = _f(64, "parallel env rows N (responses per rollout ~ N; per rank under torchrun)")
     workers: int = _f(1, "collector processes: 1 = Collector in-process, >1 = MultiSyncCollector")
     warmup_steps: int = _f(150, "supervised warm-start steps teaching the answer format (random digits)")
@@ -598,8 +621,8 @@ class _TrustRegionUpdate:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         total.backward()
-        gn = torch.nn.utils.clip_grad_norm_(self.actor_params, self.cfg.max_grad_norm)
-        gn_c = torch.nn.utils.clip_grad_norm_(self.clipped_critic_params, self.cfg.max_grad_norm)
+        gn = _plumbing.clip_grad_norm_(self.actor_params, self.cfg.max_grad_norm)  # sharded gradients too
+        gn_c = _plumbing.clip_grad_norm_(self.clipped_critic_params, self.cfg.max_grad_norm)
         bad = _plumbing.all_reduce((~torch.isfinite(torch.stack([gn, gn_c]))).any().float(), self.pg)
         if float(bad) > 0:  # clipping scaled by a NaN norm: the gradients are garbage, drop them
             for opt in self.optimizers:
@@ -695,6 +718,7 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
     _plumbing.check_logger(cfg.logger)  # its package is missing: say so now, not after the warm start
+    _plumbing.check_fsdp(cfg.fsdp, shared_trunk=cfg.shared_trunk, workers=cfg.workers)
     if cfg.shared_trunk and _plumbing.launched_world_size() > 1:
         raise ValueError(
             "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
@@ -729,15 +753,23 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, entropy_grad=cfg.entropy_coef > 0)
-    # the loss calls the actor and the critic through DDP under torchrun (gradients all-reduced)
-    actor, critic, ddp_wrappers = _plumbing.wrap_ddp(ac, d, device) if pg is not None else (ac.actor, ac.critic, [])
-    ref = frozen_reference(ac.actor_model, P)
+    ref = frozen_reference(ac.actor_model, P)  # copied before any sharding: the reference stays whole
+    # the loss calls the actor and the critic through DDP under torchrun (gradients all-reduced), or
+    # with --fsdp their models sharded in place (parameters, gradients, AdamW state split over ranks)
+    if cfg.fsdp:
+        actor, critic, ddp_wrappers = _plumbing.shard_fsdp(ac, d, device)
+    elif pg is not None:
+        actor, critic, ddp_wrappers = _plumbing.wrap_ddp(ac, d, device)
+    else:
+        actor, critic, ddp_wrappers = ac.actor, ac.critic, []
     # --- TorchRL modules, optimizers, the collapse guard (ppo_objectives.monitor), the collector; --resume
     controller, kl_transform, gae, loss_module = _ppo_modules(cfg, actor, critic, ref, device, pg)
     optimizers = (torch.optim.AdamW(ac.actor_parameters(), lr=cfg.lr, weight_decay=0.0),
                   torch.optim.AdamW(ac.critic_parameters(), lr=cfg.critic_lr, weight_decay=0.0))
     guard = CollapseGuard()
     stateful = _stateful(ac, ref, optimizers, controller, guard)  # what a checkpoint holds, by name
+    if cfg.fsdp:  # full state dicts, gathered on rank 0 and scattered back by --resume
+        stateful = _plumbing.fsdp_stateful(stateful, ac)
     start_it = _resume(ckpt, stateful, d, out) if ckpt is not None else 0
     if ckpt is None and pg is not None:
         torch.manual_seed(rank_seed)  # after the identical build: each rank samples its own responses
@@ -753,7 +785,8 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
         for it in range(start_it, cfg.iterations):
             # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
             t0 = time.perf_counter()
-            llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M)
+            with _plumbing.gathered_for_rollout(ac.actor_model):  # --fsdp: the whole actor (else nothing)
+                llm = rollout_batch(collector_iter, ac, kl_transform, gae, P, M)
             t1 = time.perf_counter()
             # 2. PPO epochs x minibatches, approx-KL trust region, non-finite guard
             stats = ppo_update(llm, loss_module, ac, optimizers, cfg, gen, process_group=pg)
