@@ -195,3 +195,231 @@ def gathered_log_probs(
     logp, entropy = _GatheredLogProbs.apply(logits, rows, tgt, chunk, return_entropy)
     logp = logp.view(b, r)
     return logp, (entropy.view(b, r) if return_entropy else None)
+
+
+# --------------------------------------------------------------------------- #
+# From hidden states: the LM head's projection inside the chunk loop
+# --------------------------------------------------------------------------- #
+
+#: Bytes of the ``[c, V]`` chunk buffers of :class:`_HiddenLogProbs`; sets the default chunk size.
+HIDDEN_CHUNK_BYTES = 256 << 20
+
+
+def default_hidden_chunk_size(vocab_size: int, n_rows: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that the ``[c, V]`` buffers of one chunk take about :data:`HIDDEN_CHUNK_BYTES`.
+
+    A chunk holds two ``[c, V]`` buffers in the compute dtype (float32; float64 for float64
+    hidden states) and, for half-precision hidden states, one more in their dtype (the matmul's
+    output and the backward's ``d logits`` operand). At least 1 row, at most ``n_rows``.
+
+    >>> default_hidden_chunk_size(151936, 8 * 2047, torch.bfloat16)   # 10 bytes a logit
+    176
+    >>> default_hidden_chunk_size(100, 5, torch.float32)              # everything in one chunk
+    5
+    """
+    cd = _compute_dtype_of(dtype)
+    per_logit = 2 * torch.empty((), dtype=cd).element_size()
+    if dtype != cd:
+        per_logit += torch.empty((), dtype=dtype).element_size()
+    rows = HIDDEN_CHUNK_BYTES // (per_logit * max(vocab_size, 1))
+    return max(1, min(max(n_rows, 1), rows))
+
+
+def _compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _HeadChunks:
+    """One pass over the scored rows: the flat hidden states, the head in the projection dtype
+    (the hidden states' dtype; cast once per pass, not saved) and ``[c, V]`` buffers reused by
+    every chunk."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk: int, want_second: bool):
+        pd = hidden.dtype
+        self.cd = _compute_dtype_of(pd)
+        self.flat = hidden.reshape(-1, hidden.shape[-1])  # [B * T, C]
+        self.w = weight.to(pd)  # [V, C]
+        self.b = None if bias is None else bias.to(pd)  # [V]
+        v = weight.shape[0]
+        self.x = hidden.new_empty((chunk, v), dtype=self.cd)
+        self.second = hidden.new_empty((chunk, v), dtype=self.cd) if want_second else None
+        self.raw = hidden.new_empty((chunk, v)) if pd != self.cd else None  # the matmul's own dtype
+
+    def logits(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x [k, V] compute dtype, h [k, C])``: ``x = h @ W^T (+ b)`` for ``h = hidden[rows]``."""
+        k = rows.numel()
+        h = self.flat.index_select(0, rows)
+        x = self.x[:k]
+        target = x if self.raw is None else self.raw[:k]
+        if self.b is None:
+            torch.mm(h, self.w.t(), out=target)
+        else:
+            torch.addmm(self.b, h, self.w.t(), out=target)
+        if self.raw is not None:
+            x.copy_(target)
+        return x, h
+
+    def operand(self, g: Tensor) -> Tensor:
+        """``g`` in the projection dtype (a reused buffer for half precision)."""
+        return g if self.raw is None else self.raw[: g.shape[0]].copy_(g)
+
+
+def _lse_pass(bufs: _HeadChunks, rows: Tensor, targets: Tensor, chunk: int, want_entropy: bool):
+    """``(logp, lse, entropy | None)`` ``[N]`` of every scored row, chunk by chunk."""
+    n = rows.numel()
+    logp = torch.empty(n, dtype=bufs.cd, device=rows.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if want_entropy else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        x, _ = bufs.logits(rows[s:e])  # [c, V]
+        picked = x.gather(-1, targets[s:e, None]).squeeze(-1)
+        top = x.amax(dim=-1, keepdim=True)
+        shifted = x.sub_(top)
+        if want_entropy:
+            ex = torch.exp(shifted, out=bufs.second[: e - s])
+            total = ex.sum(-1)
+            entropy[s:e] = torch.log(total) - ex.mul_(shifted).sum(-1) / total
+        else:
+            total = shifted.exp_().sum(-1)
+        lse[s:e] = top.squeeze(-1) + torch.log(total)
+        logp[s:e] = picked - lse[s:e]
+    return logp, lse, entropy
+
+
+class _HiddenLogProbs(torch.autograd.Function):
+    """Chunked ``log_softmax(hidden[rows] @ W^T + b).gather`` (+ entropy) with a recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, targets, chunk, want_entropy):
+        # hidden [B, T, C]; weight [V, C]; bias [V] | None; rows [N] flat b * T + p; targets [N]
+        n = rows.numel()
+        chunk = max(1, min(chunk, n))
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=want_entropy)
+            logp, lse, entropy = _lse_pass(bufs, rows, targets, chunk, want_entropy)
+        del bufs
+        ctx.chunk, ctx.want_entropy = chunk, want_entropy
+        ctx.set_materialize_grads(False)  # an unused output (a detached entropy) costs no backward work
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, lse, entropy)
+        if want_entropy:
+            return logp, entropy
+        empty = lse.new_zeros(0)
+        ctx.mark_non_differentiable(empty)
+        return logp, empty
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, rows, targets, lse, entropy = ctx.saved_tensors
+        if not ctx.want_entropy:
+            grad_entropy = None
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 7
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            grads = _head_backward(
+                hidden, weight, bias, rows, targets, lse, entropy, grad_logp, grad_entropy, ctx.chunk,
+                (need_h, need_w, need_b and bias is not None),
+            )  # fmt: skip
+        return (*grads, None, None, None, None)
+
+
+def _head_backward(hidden, weight, bias, rows, targets, lse, entropy, grad_logp, grad_entropy, chunk, needs):
+    """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where not needed), accumulated in the
+    compute dtype over the chunks and returned in each input's dtype."""
+    need_h, need_w, need_b = needs
+    n = rows.numel()
+    use_h = grad_entropy is not None
+    bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=use_h)
+    cd = bufs.cd
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    acc_h = torch.zeros(bufs.flat.shape, dtype=cd, device=hidden.device) if need_h else None  # [B * T, C]
+    acc_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None  # [V, C]
+    acc_b = torch.zeros(weight.shape[0], dtype=cd, device=weight.device) if need_b else None  # [V]
+    half_w = need_w and bufs.raw is not None
+    w_part = torch.empty(weight.shape, dtype=hidden.dtype, device=weight.device) if half_w and n else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        x, h = bufs.logits(rows[s:e])
+        gl = grad_logp[s:e, None].to(cd)
+        logq = x.sub_(lse[s:e, None])  # log softmax, in place
+        if use_h:  # d/dx = -q * (g_logp + g_H * (log q + H)) (+ g_logp at the target)
+            q = torch.exp(logq, out=bufs.second[: e - s])
+            scale = logq.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None].to(cd)).add_(gl)
+            g = q.mul_(scale).neg_()
+        else:
+            g = logq.exp_().mul_(gl).neg_()
+        g.scatter_add_(-1, targets[s:e, None], gl)  # [c, V] d loss / d logits
+        if acc_b is not None:
+            acc_b.add_(g.sum(0))
+        gp = bufs.operand(g)  # in the projection dtype
+        if acc_h is not None:
+            acc_h.index_add_(0, rows[s:e], (gp @ bufs.w).to(cd))  # repeated rows add up
+        if half_w:
+            acc_w.add_(torch.mm(gp.t(), h, out=w_part))
+        elif acc_w is not None:
+            acc_w.addmm_(gp.t(), h)
+    grad_h = None if acc_h is None else acc_h.view(hidden.shape).to(hidden.dtype)
+    grad_w = None if acc_w is None else acc_w.to(weight.dtype)
+    grad_b = None if acc_b is None else acc_b.to(bias.dtype)
+    return grad_h, grad_w, grad_b
+
+
+def gathered_log_probs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    positions: Tensor,
+    targets: Tensor,
+    mask: Tensor | None,
+    *,
+    return_entropy: bool,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``log_softmax(hidden[b, positions[b, j]] @ weight^T + bias)[targets[b, j]]`` (+ entropy), never
+    forming the ``[B, T, V]`` logits; exactly 0 (zero gradient) where ``mask`` is False.
+
+    Args:
+        hidden: ``[B, T, C]`` float hidden states; the projection runs in their dtype.
+        weight: ``[V, C]`` float head weight (cast to ``hidden``'s dtype for the projection).
+        bias: ``[V]`` float head bias or ``None``.
+        positions: ``[B, R]`` int64 positions into ``T``.
+        targets: ``[B, R]`` int64 token ids into ``V`` (read only where ``mask`` is True).
+        mask: ``[B, R]`` bool or ``None``; rows where it is False are not projected. Selecting the
+            scored rows reads the mask (one host synchronisation); ``None`` scores every row
+            without one.
+        return_entropy: also compute the ``[B, R]`` entropies in the same pass.
+        chunk_size: scored rows per chunk; ``None`` uses :func:`default_hidden_chunk_size`.
+
+    Returns:
+        ``(logp [B, R], entropy [B, R] or None)``, float32 (float64 for float64 hidden states).
+        Differentiable once with respect to ``hidden``, ``weight`` and ``bias``.
+
+    >>> hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0]]])   # [1, 2, 2]
+    >>> weight = torch.tensor([[2.0, 0.0], [0.0, 0.0]])      # logits [0, 0] and [2, 0]
+    >>> logp, ent = gathered_log_probs_from_hidden(
+    ...     hidden, weight, None, torch.tensor([[0, 1]]), torch.tensor([[1, 0]]), None,
+    ...     return_entropy=True, chunk_size=1)
+    >>> logp  # log(1/2), log(e^2 / (e^2 + 1))
+    tensor([[-0.6931, -0.1269]])
+    >>> ent
+    tensor([[0.6931, 0.3653]])
+    """
+    b, t, _ = hidden.shape
+    r = positions.shape[-1]
+    rows = (positions + torch.arange(b, device=positions.device).unsqueeze(1) * t).reshape(-1)
+    tgt = targets.reshape(-1)
+    keep = None
+    if mask is not None:
+        keep = mask.reshape(-1).nonzero().squeeze(1)  # the scored rows: masked ones are never projected
+        rows, tgt = rows[keep], tgt[keep]
+    if chunk_size is None:
+        chunk_size = default_hidden_chunk_size(weight.shape[0], rows.numel(), hidden.dtype)
+    logp, entropy = _HiddenLogProbs.apply(hidden, weight, bias, rows, tgt, chunk_size, return_entropy)
+    if keep is not None:
+        logp = logp.new_zeros(b * r).index_copy(0, keep, logp)
+        if return_entropy:
+            entropy = entropy.new_zeros(b * r).index_copy(0, keep, entropy)
+    return logp.view(b, r), (entropy.view(b, r) if return_entropy else None)

@@ -61,6 +61,7 @@ __all__ = [
     "ppo_policy_loss",
     "reference_kl_penalty",
     "response_log_probs",
+    "response_log_probs_from_hidden",
     "resolve_done_flags",
     "response_logp_positions",
     "rollout_correction_weights",
@@ -422,6 +423,137 @@ def response_log_probs(
         logits, positions, targets, return_entropy=return_entropy, chunk_size=chunk_size
     )
     return (logp, entropy) if return_entropy else logp
+
+
+def response_log_probs_from_hidden(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    input_ids: Tensor,
+    prompt_lens: Tensor,
+    response_len: int,
+    *,
+    lm_head_bias: Tensor | None = None,
+    mask: Tensor | None = None,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities (and entropies) of the response tokens from the last hidden states.
+
+    The positions and tokens of :func:`response_log_probs`, with the LM head folded in::
+
+        logp[b, j]    = log_softmax(hidden[b, p] @ W^T + bias)[input_ids[b, p + 1]],  p = prompt_lens[b] - 1 + j
+        entropy[b, j] = -sum_v q_v log q_v,  q = softmax(hidden[b, p] @ W^T + bias)
+
+    The ``[B, T, V]`` logits are never formed: the scored rows are walked in chunks (rows per
+    chunk from a fixed memory budget, or ``chunk_size``), each chunk projected
+    (``hidden[rows] @ W^T + bias``, in the dtype of ``hidden``; ``W`` and ``bias`` are cast to it),
+    upcast to float32 and reduced to a log-sum-exp; the backward recomputes each chunk's logits
+    and adds ``d logits @ W`` into the hidden states' gradient and ``d logits^T @ hidden[rows]``
+    into the head's (float32 accumulation). Positions where ``mask`` is False are not projected
+    at all and are exactly 0, with zero gradient, in both outputs; ``hidden`` and ``input_ids``
+    there may hold anything. Selecting the masked rows reads ``mask`` (one host
+    synchronisation); ``mask=None`` scores every position without one. The kernel is
+    ``ppo_objectives/_logprobs.py``; the design follows fused linear cross-entropy kernels.
+
+    Args:
+        hidden: ``[B, T, C]`` float last hidden states (the input of the LM head).
+        lm_head_weight: ``[V, C]`` float LM-head weight (``nn.Linear(C, V).weight``).
+        input_ids: ``[B, T]`` integer token ids (prompt then response).
+        prompt_lens: ``[B]`` prompt lengths.
+        response_len: ``R``; requires ``prompt_lens[b] + R <= T``.
+        lm_head_bias: ``[V]`` float LM-head bias, or ``None``.
+        mask: ``[B, R]`` bool / {0, 1} (True = score this token), or ``None`` for every token.
+        return_entropy: also return the ``[B, R]`` entropies.
+        chunk_size: rows (positions) per chunk; ``None`` picks one.
+
+    Returns:
+        ``[B, R]`` log-probs in float32 (float64 for float64 ``hidden``), or ``(logp, entropy)``.
+
+    Example:
+        >>> import torch
+        >>> hidden = torch.zeros(1, 4, 2)                  # zero hidden states: uniform logits
+        >>> weight = torch.randn(8, 2)                     # V = 8, C = 2
+        >>> ids = torch.tensor([[5, 1, 2, 3]])             # prompt [5], response [1, 2, 3]
+        >>> mask = torch.tensor([[True, True, False]])     # the last token is padding
+        >>> logp, ent = response_log_probs_from_hidden(hidden, weight, ids, torch.tensor([1]), 3, mask=mask,
+        ...                                            return_entropy=True)
+        >>> logp                                           # log(1/8), 0 off the mask
+        tensor([[-2.0794, -2.0794,  0.0000]])
+        >>> ent                                            # log(8)
+        tensor([[2.0794, 2.0794, 0.0000]])
+    """
+    weight, bias = _check_lm_head(hidden, lm_head_weight, lm_head_bias)
+    _validate.check_tensor("input_ids", input_ids)
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    _validate.check_tensor("prompt_lens", prompt_lens)
+    if mask is not None:
+        _validate.check_tensor("mask", mask)
+    B, T, _ = hidden.shape
+    if input_ids.shape != (B, T):
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)} but hidden has shape {tuple(hidden.shape)}; "
+            f"input_ids must be [B, T] with the B and T of hidden"
+        )
+    _validate.check_same_device(hidden=hidden, lm_head_weight=weight, lm_head_bias=bias, input_ids=input_ids,
+                                prompt_lens=prompt_lens, mask=mask)  # fmt: skip
+    if prompt_lens.shape != (B,):
+        raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{B}]")
+    if chunk_size is not None:
+        _validate.check_int("chunk_size", chunk_size, low=1, what=" or None (rows per chunk)")
+    positions = response_logp_positions(prompt_lens, response_len)
+    m = None if mask is None else _validate.check_mask(mask, positions.shape, "the [B, response_len] log-probs")
+    if _validate.checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
+        worst = int(prompt_lens.max())
+        raise ValueError(
+            f"positions outside the sequence: prompt_lens up to {worst} with response_len={response_len} "
+            f"needs T >= {worst + response_len}, but hidden/input_ids have T={T}; pad the sequences or "
+            f"shorten response_len"
+        )
+    targets = input_ids.gather(1, positions + 1)
+    V = weight.shape[0]
+    if _validate.checking_values() and targets.numel() > 0:
+        bad = (targets < 0) | (targets >= V)
+        bad = bad if m is None else bad & m  # token ids off the mask are never read
+        if bool(bad.any()):
+            raise ValueError(
+                f"input_ids holds response token ids outside the vocabulary [0, V={V}) of lm_head_weight, "
+                f"such as {targets[bad][:3].tolist()}; check the tokenizer / model pairing or the padding id "
+                f"(or mask those positions out)"
+            )
+    logp, entropy = _logprobs.gathered_log_probs_from_hidden(
+        hidden, weight, bias, positions, targets, m, return_entropy=return_entropy, chunk_size=chunk_size
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+def _check_lm_head(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Shapes of ``hidden [B, T, C]``, ``weight [V, C]`` and ``bias [V]`` (all floating point)."""
+    _validate.check_float("hidden", hidden)
+    _validate.check_float("lm_head_weight", weight)
+    if hidden.dim() != 3:
+        raise ValueError(
+            f"hidden must be [B, T, C] (the model's last hidden states), got shape {tuple(hidden.shape)}; "
+            f"add the batch dim with hidden[None] for one sequence"
+        )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"lm_head_weight must be [V, C] (the weight of nn.Linear(C, V)), got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight has shape {tuple(weight.shape)} but hidden has width C={hidden.shape[-1]} "
+            f"(shape {tuple(hidden.shape)}); the head must be [V, C] for hidden states of width C: pass "
+            f"lm_head.weight itself, not its transpose, and the hidden states the head reads"
+        )
+    if bias is not None:
+        _validate.check_float("lm_head_bias", bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(
+                f"lm_head_bias has shape {tuple(bias.shape)} but lm_head_weight has V={weight.shape[0]} rows; "
+                f"the bias must be [V] (lm_head.bias), or None for a head without bias"
+            )
+    return weight, bias
 
 
 # --------------------------------------------------------------------------- #
