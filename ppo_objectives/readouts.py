@@ -5,7 +5,12 @@ One read-out family for both batch layouts of :mod:`ppo_objectives.layouts`:
 - **log-probs**: :func:`read_log_probs` turns logits into the log-probs (and
   entropies) of the tokens at given positions, always through
   :func:`ppo_objectives.functional.response_log_probs` (float32, chunked, no
-  ``[B, T, V]`` float32 log-softmax).
+  ``[B, T, V]`` float32 log-softmax). When the model exposes its LM head
+  (:func:`lm_head_parameters`) and the vocabulary is large, the actor read-outs
+  skip the logits altogether: they run the trunk only and score the hidden
+  states with :func:`ppo_objectives.functional.response_log_probs_from_hidden`,
+  which never forms the ``[B, T, V]`` logits (``from_hidden=``, see
+  :data:`FROM_HIDDEN_MIN_VOCAB`).
 - **values**: :func:`read_values` turns hidden states into values with a
   scalar head built by :func:`value_head`, the one value-head construction.
 
@@ -44,17 +49,19 @@ from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
 from ppo_objectives import _validate
-from ppo_objectives.functional import response_log_probs, value_checks
+from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden, value_checks
 from ppo_objectives.models import TinyCausalLM, TinyLMConfig, hf_decoder, hf_forward
 from ppo_objectives.policy import make_actor
 
 __all__ = [
+    "FROM_HIDDEN_MIN_VOCAB",
     "VALUE_HEAD_INITS",
     "ActorCritic",
     "CausalLMCritic",
     "CausalLMTokenLogProbs",
     "ResponseLogProbs",
     "ResponseValues",
+    "lm_head_parameters",
     "make_actor_critic",
     "read_log_probs",
     "read_values",
@@ -140,6 +147,69 @@ def read_log_probs(
     return logp, entropy
 
 
+#: Smallest vocabulary for which ``from_hidden="auto"`` scores hidden states instead of logits.
+#: Below it the ``[B, T, V]`` logits are small, and one full-size head matmul followed by the
+#: chunked log-softmax is faster than a projection per chunk; it also keeps the tiny-vocabulary
+#: models (the training job's ``TinyCausalLM``, ``V`` of a few dozen) on the logits path, number
+#: for number.
+FROM_HIDDEN_MIN_VOCAB = 4096
+
+#: The values ``from_hidden=`` accepts.
+_FROM_HIDDEN_CHOICES = (True, False, "auto")
+
+
+def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight [V, C], bias [V] | None)`` of the LM head a model applies to its hidden states, or ``None``.
+
+    The protocol the hidden-state read-outs rely on (``logits = hidden @ weight^T + bias``):
+
+    - ``model.lm_head_parameters()`` when the model defines that method (a wrapper that
+      restricts or transforms its head says so this way; it may return ``None``);
+    - else ``(model.lm_head.weight, model.lm_head.bias)`` when ``model.lm_head`` is exactly an
+      ``nn.Linear`` (not a subclass, whose forward may differ) without forward hooks;
+    - else ``None``: the head is unknown and only the model's own logits can be used.
+
+    Example:
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> weight, bias = lm_head_parameters(lm)
+        >>> weight.shape, bias, weight is lm.wte.weight          # tied to the embedding
+        (torch.Size([10, 16]), None, True)
+        >>> handle = lm.lm_head.register_forward_hook(lambda m, i, o: o * 2)
+        >>> lm_head_parameters(lm) is None                       # a hook changes what the head computes
+        True
+    """
+    method = getattr(model, "lm_head_parameters", None)
+    if callable(method):
+        return method()
+    head = getattr(model, "lm_head", None)
+    if type(head) is nn.Linear and not _has_forward_hooks(head):
+        return head.weight, head.bias
+    return None
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _check_from_hidden(from_hidden: object, who: str) -> None:
+    if not any(from_hidden is c or (isinstance(from_hidden, str) and from_hidden == c) for c in _FROM_HIDDEN_CHOICES):
+        raise ValueError(
+            f"{who}: from_hidden={from_hidden!r} must be True (score hidden states through the exposed LM head), "
+            f"False (score the model's logits) or 'auto' (hidden states when V >= {FROM_HIDDEN_MIN_VOCAB})"
+        )
+
+
+def _use_hidden(from_hidden: bool | str, head: tuple | None, who: str, fix: str) -> bool:
+    """Whether the read-out scores hidden states: ``from_hidden`` against the head found (or not)."""
+    if from_hidden is True and head is None:
+        raise ValueError(
+            f"{who}: from_hidden=True but the model exposes no LM head to project hidden states with; {fix}"
+        )
+    if from_hidden == "auto":
+        return head is not None and head[0].shape[0] >= FROM_HIDDEN_MIN_VOCAB
+    return from_hidden is True
+
+
 # --------------------------------------------------------------------------- #
 # Response layout [B, R]: the response slice of a [B, P + R] forward
 # --------------------------------------------------------------------------- #
@@ -167,30 +237,95 @@ class ResponseLogProbs(nn.Module):
     """Per-token log-probs (and entropies) of the response tokens, one full forward.
 
     ``input_ids [B, P + R]`` holds a left-padded prompt of width ``P`` and the
-    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``
-    (:func:`read_log_probs`). Outputs ``[B, R]`` float32; positions after the
-    response's end are garbage to be masked by the caller. With
-    ``entropy_grad=False`` the entropy is computed without gradient (a logged
-    diagnostic, no entropy bonus): cheaper backward.
+    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``.
+    Outputs ``[B, R]`` float32. With ``entropy_grad=False`` the entropy is computed
+    without gradient (a logged diagnostic, no entropy bonus): cheaper backward.
+
+    Two paths, the same numbers (up to float rounding):
+
+    - **logits** (``from_hidden=False``): the model's ``logits`` through
+      :func:`read_log_probs`; positions after a response's end are garbage to be
+      masked by the caller.
+    - **hidden states** (``from_hidden=True``): the model runs with
+      ``compute_logits=False`` and its ``hidden`` ``[B, P + R, C]`` are scored through
+      the head of :func:`lm_head_parameters` by
+      :func:`~ppo_objectives.functional.response_log_probs_from_hidden`, so the
+      ``[B, P + R, V]`` logits are never formed. Positions after a response's end
+      (``attention_mask[:, P:]`` False) are not projected and are exactly 0. When the
+      model has an ``autocast_dtype``, the hidden states are cast to it first, so the
+      projection runs in the precision the model's own head runs in under autocast.
+    - ``from_hidden="auto"`` (the default): hidden states when the model exposes its
+      head and ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> ids, am = torch.randint(10, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+        >>> am[1, 5] = False                                  # row 1's response ends one token early
+        >>> auto, hid = ResponseLogProbs(lm, 3), ResponseLogProbs(lm, 3, from_hidden=True)
+        >>> auto.from_hidden, hid.from_hidden                 # V = 10: "auto" keeps the logits path
+        (False, True)
+        >>> (lp, _), (lp_h, _) = auto(ids, am), hid(ids, am)
+        >>> torch.allclose(lp[am[:, 3:]], lp_h[am[:, 3:]], atol=1e-6), lp_h[1, 2].item()
+        (True, 0.0)
     """
 
-    def __init__(self, model: nn.Module, prompt_len: int, *, return_entropy: bool = True, entropy_grad: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        prompt_len: int,
+        *,
+        return_entropy: bool = True,
+        entropy_grad: bool = True,
+        from_hidden: bool | str = "auto",
+    ):
         super().__init__()
         _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
+        _check_from_hidden(from_hidden, "ResponseLogProbs")
         self.model = model
         self.prompt_len = prompt_len
         self.return_entropy = return_entropy
         self.entropy_grad = entropy_grad
+        fix = "define model.lm_head_parameters() -> (weight, bias), or use from_hidden=False (the logits path)"
+        #: Whether this read-out scores hidden states (True) or the model's logits (False).
+        self.from_hidden = _use_hidden(from_hidden, lm_head_parameters(model), "ResponseLogProbs", fix)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
         R = _response_len(input_ids, self.prompt_len, "score", "ResponseLogProbs")
         B = input_ids.shape[0]
-        logits = self.model(input_ids, attention_mask).logits
         starts = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
+        if self.from_hidden:
+            return self._from_hidden(input_ids, attention_mask, starts, R)
+        logits = self.model(input_ids, attention_mask).logits
         with value_checks(False):  # the positions are in range by construction
             return read_log_probs(
                 logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
             )
+
+    def _from_hidden(self, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
+        hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
+        head = lm_head_parameters(self.model)
+        if head is None:
+            raise ValueError(
+                f"ResponseLogProbs: {type(self.model).__name__} no longer exposes its LM head (lm_head_parameters "
+                f"returned None); rebuild the read-out with from_hidden=False"
+            )
+        autocast_dtype = getattr(self.model, "autocast_dtype", None)
+        if autocast_dtype is not None and hidden.dtype != autocast_dtype:
+            hidden = hidden.to(autocast_dtype)  # the head's precision under the model's autocast
+        mask = None
+        if attention_mask is not None:  # no projection after a response's end
+            mask = _validate.check_mask(attention_mask, input_ids.shape, "input_ids")[:, self.prompt_len :]
+        weight, bias = head
+        entropy = self.return_entropy
+        with value_checks(False):  # positions and token ids were checked by construction and by the model
+            out = response_log_probs_from_hidden(
+                hidden, weight, input_ids, starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy
+            )
+        if entropy and not self.entropy_grad:
+            return out[0], out[1].detach()  # for logging only: no gradient flows through it
+        return out
 
 
 class ResponseValues(nn.Module):
@@ -253,6 +388,7 @@ def make_actor_critic(
     critic_model: nn.Module | None = None,
     use_kv_cache: bool = True,
     entropy_grad: bool = True,
+    from_hidden: bool | str = "auto",
     log_prob_key: str = "log_prob",
     entropy_key: str = "entropy",
     value_key: str = "state_value",
@@ -278,6 +414,10 @@ def make_actor_critic(
         critic_model: an explicit critic trunk (overrides ``shared_trunk``).
         entropy_grad: let gradients flow through the actor's entropy (needed for an
             entropy bonus; ``False`` makes it a cheaper logged diagnostic).
+        from_hidden: how the actor scores tokens: ``True`` from the hidden states
+            through the exposed LM head (no ``[B, T, V]`` logits), ``False`` from the
+            model's logits, ``"auto"`` hidden states when the head is exposed and
+            ``V >= FROM_HIDDEN_MIN_VOCAB`` (:class:`ResponseLogProbs`).
 
     **The value head starts at zero.** It is :func:`value_head` with
     ``init="zeros"`` (``w = 0``, ``c = 0``): every value is exactly 0 before the
@@ -307,7 +447,7 @@ def make_actor_critic(
         critic_model = model if shared_trunk else copy.deepcopy(model)
     policy = make_actor(model, use_kv_cache=use_kv_cache)
     actor = TensorDictModule(
-        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad),
+        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad, from_hidden=from_hidden),
         in_keys=["input_ids", "attention_mask"],
         out_keys=[log_prob_key, entropy_key],
     )
@@ -443,10 +583,26 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
 
     ``log_prob[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]]`` for ``t >= 1``
     (the alignment of ``sample_log_prob`` in
-    :class:`~ppo_objectives.layouts.LLMToTokenBatch`), computed by
-    :func:`read_log_probs` (:func:`ppo_objectives.functional.response_log_probs`)
-    in float32 without a full ``[B, T, V]`` float32 log-softmax. Exactly 0 where
-    ``mask`` is False. ``entropy[b, t]`` is the entropy of the same distribution.
+    :class:`~ppo_objectives.layouts.LLMToTokenBatch`), in float32 without a full
+    ``[B, T, V]`` float32 log-softmax. Exactly 0 where ``mask`` is False.
+    ``entropy[b, t]`` is the entropy of the same distribution.
+
+    Two paths, the same numbers (up to float rounding):
+
+    - **logits** (``from_hidden=False``): the model's own forward (hooks and
+      model-specific logit processing apply) and :func:`read_log_probs`.
+    - **hidden states** (``from_hidden=True``): the decoder only
+      (:func:`~ppo_objectives.models.hf_decoder` through
+      :func:`~ppo_objectives.models.hf_forward`, ``last_hidden_state``), then the head
+      ``model.get_output_embeddings()`` folded into
+      :func:`~ppo_objectives.functional.response_log_probs_from_hidden`: the
+      ``[B, T, V]`` logits are never formed and positions where ``mask`` is False are
+      not projected. Only for a head that is exactly an ``nn.Linear`` without forward
+      hooks, on a model without forward hooks whose config neither soft-caps nor
+      scales the logits (``final_logit_softcapping``, ``logit_scale``,
+      ``logits_scaling``): then the logits are ``hidden @ W^T + b`` and the paths agree.
+    - ``from_hidden="auto"`` (the default): hidden states when the model qualifies and
+      ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits.
 
     Use it as the actor read-out of ``TokenPPOLoss`` (gradients flow into the
     LM), and under ``torch.no_grad()`` with ``out_key="sample_log_prob"`` to
@@ -456,12 +612,13 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         model: a Hugging Face causal LM (the one inside ``TransformersWrapper``,
             ``wrapper.model``), called through :func:`~ppo_objectives.models.hf_forward`
             as ``model(input_ids=..., attention_mask=...)`` and returning
-            ``.logits`` ``[B, T, V]`` (its own forward runs, hooks and all).
+            ``.logits`` ``[B, T, V]``.
 
     Keyword Args:
         tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
         out_key: the log-prob output. Defaults to ``"log_prob"``.
         entropy_key: the entropy output; ``None`` skips it. Defaults to ``"entropy"``.
+        from_hidden: ``True``, ``False`` or ``"auto"`` (above).
     """
 
     def __init__(
@@ -473,24 +630,50 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         mask_key: NestedKey = "mask",
         out_key: NestedKey = "log_prob",
         entropy_key: NestedKey | None = "entropy",
+        from_hidden: bool | str = "auto",
     ):
         super().__init__()
+        _check_from_hidden(from_hidden, "CausalLMTokenLogProbs")
         self.model = model
         self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
         self.out_key, self.entropy_key = out_key, entropy_key
         self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
         self.out_keys = [k for k in (out_key, entropy_key) if k is not None]
+        fix = (
+            "the hidden-state path needs model.get_output_embeddings() to be a plain nn.Linear without hooks and "
+            "no logit soft-capping / scaling in the config; use from_hidden=False (the model's own logits)"
+        )
+        #: Whether this read-out scores hidden states (True) or the model's logits (False).
+        self.from_hidden = _use_hidden(from_hidden, _hf_linear_head(model), "CausalLMTokenLogProbs", fix)
 
     def log_probs(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
         """``(log_prob, entropy)``, both ``[B, T]`` float32, from ``[B, T]`` inputs."""
         attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMTokenLogProbs")
         B, T = tokens.shape
+        if self.from_hidden:
+            return self._from_hidden(tokens, attention_mask, mask)
         logits = hf_forward(self.model, tokens, attention_mask, output="logits")  # [B, T, V]
         if T < 2:
             zeros = logits.new_zeros(B, T, dtype=torch.float32)
             return zeros, zeros.clone()
         ones = torch.ones(B, dtype=torch.long, device=tokens.device)
         lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True)  # tokens 1..T-1
+        pad = lp.new_zeros(B, 1)
+        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
+        return _zero_off_mask(mask, lp, ent)
+
+    def _from_hidden(self, tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None):
+        B, T = tokens.shape
+        hidden = hf_forward(hf_decoder(self.model), tokens, attention_mask, output="last_hidden_state")  # [B, T, C]
+        if T < 2:
+            zeros = hidden.new_zeros(B, T, dtype=torch.float32)
+            return zeros, zeros.clone()
+        weight, bias = _hf_linear_head(self.model)
+        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
+        lp, ent = response_log_probs_from_hidden(
+            hidden, weight, tokens, ones, T - 1, lm_head_bias=bias, mask=None if mask is None else mask[:, 1:],
+            return_entropy=True,
+        )  # fmt: skip
         pad = lp.new_zeros(B, 1)
         lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
         return _zero_off_mask(mask, lp, ent)
@@ -502,3 +685,25 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         if self.entropy_key is not None:
             tensordict.set(self.entropy_key, ent)
         return tensordict
+
+
+#: Config fields that change the logits after the head: a soft cap, and scales (1 is none).
+_LOGIT_CAPS = ("final_logit_softcapping",)
+_LOGIT_SCALES = ("logit_scale", "logits_scaling")
+
+
+def _hf_linear_head(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight, bias)`` of a Hugging Face causal LM whose logits are exactly ``head(last_hidden_state)``,
+    else ``None``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear or _has_forward_hooks(head) or _has_forward_hooks(model):
+        return None
+    if hf_decoder(model) is model:  # a decoder alone: no head after it
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) is not None for name in _LOGIT_CAPS):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_SCALES):
+        return None
+    return head.weight, head.bias
