@@ -155,6 +155,38 @@ is continued under its id, MLflow starts a new run of the same experiment. The p
 the ``loggers`` extra (``pip install "ppo_objectives[loggers]"``; ``csv`` needs none); a missing
 one is an ``ImportError`` naming it, raised before the run starts.
 
+Pretrained checkpoints, mixed precision, activation checkpointing
+------------------------------------------------------------------
+
+``--model DIR`` trains a Hugging Face causal LM saved in the local directory ``DIR``
+(``config.json`` + weights as ``save_pretrained`` writes them, and its tokenizer when
+there is one; ``python -m ppo_objectives.pretrained --arch llama --out DIR`` writes a tiny
+Llama or Qwen2 one) instead of a ``TinyCausalLM`` preset (``--preset`` is then ignored).
+The actor, the critic trunk and the frozen reference are each loaded from ``DIR`` with
+``from_pretrained`` (:func:`ppo_objectives.pretrained.load_policy_model`; no network); the
+warm start then trains the actor, and the critic trunk and the reference take its weights,
+as the preset's copies do. Each network is the checkpoint behind the **task's tokens**
+(:class:`~ppo_objectives.pretrained.TokenMappedLM`): the env's token ids are mapped to the
+model's through the tokenizer (each task token string is one tokenizer token; the identity
+without a tokenizer), and the logits are the LM head's rows of the task's tokens, so the
+policy is the model's next-token distribution renormalised over the task's vocabulary. The
+checkpoint's state dicts are those of these networks (the Hugging Face weights under
+``model.hf_model.``); ``--resume`` needs the same ``--model``.
+
+``--dtype bfloat16`` is mixed precision: the actor's and the critic's forwards run under
+``torch.autocast(dtype=torch.bfloat16)`` (``autocast_dtype`` of the models, KV cache in
+bf16), while the parameters, their gradients and the AdamW moments stay float32 (master
+weights) and the log-softmax, the value head's output, GAE and every loss stay float32 as
+in a float32 run. The frozen reference is converted to bf16 (``.to(torch.bfloat16)``) and runs
+in it: it takes no gradient, so it needs no float32 master copy, and half its memory is
+saved; its log-probabilities are still computed in float32 from its bf16 logits / hidden
+states. ``float32`` (the default) runs every forward in float32, bit for bit as before.
+
+``--grad-checkpointing`` (with ``--model``) turns on Hugging Face's activation
+checkpointing of the decoder layers (``use_reentrant=False``): activations are recomputed in
+the backward pass instead of stored, the gradients are the same. ``TinyCausalLM`` has no
+checkpointing, so the flag without ``--model`` is an error.
+
 Checkpoints: ``DIR/checkpoint.pt`` (actor, critic, reference, both optimizers, KL
 controller, collapse guard, RNG states of every rank, iteration; no learning-rate scheduler is
 used), written atomically (temporary file +
@@ -197,6 +229,7 @@ from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.models import ActorCritic, ResponseLogProbs, TinyCausalLM, TinyLMConfig, make_actor_critic
 from ppo_objectives.monitor import FLAGS, CollapseGuard
 from ppo_objectives.monitor import plot_metrics as _plot
+from ppo_objectives.pretrained import load_policy_model
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -212,6 +245,9 @@ METRICS = (
     "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "update_s", "tokens_per_s",
     *(f"warn_{f}" for f in FLAGS), "collapse",
 )  # fmt: skip
+
+
+DTYPES = ("float32", "bfloat16")  # --dtype; bfloat16: autocast of the actor and critic, bf16 reference
 
 
 # --------------------------------------------------------------------------- #
@@ -234,7 +270,13 @@ class TrainConfig:
     resume: bool = _f(False, "continue from OUT/checkpoint.pt (same flags); metrics are appended")
     task: str = _f("reverse", "toy task", choices=("reverse", "copy", "add"))
     digits: int = _f(3, "digits per operand of the task")
-    preset: str = _f("nano", "TinyCausalLM size preset", choices=("pico", "nano", "micro"))
+    preset: str = _f("nano", "TinyCausalLM size preset (ignored with --model)", choices=("pico", "nano", "micro"))
+    model: str = _f("", "a local Hugging Face checkpoint directory (config.json + weights, tokenizer optional) to "
+                        "train instead of a TinyCausalLM preset; the actor, critic trunk and reference are loaded "
+                        "from it behind the task's tokens")
+    dtype: str = _f("float32", "bfloat16: actor and critic forwards under autocast (float32 weights, AdamW state, "
+                               "log-softmax and losses), reference in bf16", choices=DTYPES)
+    grad_checkpointing: bool = _f(False, "activation checkpointing of the decoder layers (needs --model)")
     shared_trunk: bool = _f(False, "critic value head on the actor's trunk instead of its own copy")
     fsdp: bool = _f(False, "under torchrun: shard the actor's and the critic's models over the ranks with FSDP2 "
                            "(fully_shard per transformer block, then the model) instead of DDP, so parameters, "
@@ -274,6 +316,13 @@ class TrainConfig:
 
     def __post_init__(self):
         DigitTask(self.task, self.digits)  # the task checks its own arguments
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainConfig dtype={self.dtype!r} must be one of {DTYPES} (bfloat16: mixed precision)")
+        if self.grad_checkpointing and not self.model:
+            raise ValueError(
+                "--grad-checkpointing needs --model DIR: it is Hugging Face's activation checkpointing of the "
+                "decoder layers, and TinyCausalLM (the --preset models) has none; drop the flag or give --model"
+            )
         if self.logger not in ("none", *_plumbing.LOGGERS):
             raise ValueError(f"TrainConfig logger={self.logger!r} must be one of {('none', *_plumbing.LOGGERS)}")
         for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
@@ -363,6 +412,33 @@ def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *
     )
 
 
+def _policy_lm(cfg: TrainConfig, task: DigitTask, block_size: int, device) -> torch.nn.Module:
+    """The actor's causal LM: the ``--preset`` TinyCausalLM, or the checkpoint ``--model DIR`` behind the
+    task's tokens (:func:`~ppo_objectives.pretrained.load_policy_model`); under ``--dtype bfloat16``
+    its forward runs under autocast (``autocast_dtype``; the weights stay float32)."""
+    autocast = _AUTOCAST_DTYPE[cfg.dtype]
+    if cfg.model:
+        return load_policy_model(cfg.model, task, autocast_dtype=autocast,
+                                 grad_checkpointing=cfg.grad_checkpointing).to(device)
+    config = TinyLMConfig.preset(cfg.preset, vocab_size=task.vocab_size, block_size=block_size)
+    return TinyCausalLM(config, autocast_dtype=autocast).to(device)
+
+
+def _loaded_copy(cfg: TrainConfig, task: DigitTask, lm: torch.nn.Module, device) -> torch.nn.Module | None:
+    """``--model``: the checkpoint loaded again (as in :func:`_policy_lm`) holding ``lm``'s current (warm-started)
+    weights, for the critic trunk and the reference; ``None`` without ``--model`` (they are copies of ``lm``)."""
+    if not cfg.model:
+        return None
+    copy_lm = load_policy_model(cfg.model, task, autocast_dtype=lm.autocast_dtype,
+                                grad_checkpointing=cfg.grad_checkpointing).to(device)
+    copy_lm.load_state_dict(lm.state_dict())
+    return copy_lm
+
+
+_AUTOCAST_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> autocast_dtype of actor and critic
+_REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> the frozen reference's weights
+
+
 def warm_start(model: TinyCausalLM, task: DigitTask, steps: int, lr: float, generator: torch.Generator, device) -> float:
     """Supervised warm start on the answer *format*: prompt, then random digits of the answer's
     length, then EOS. Teaches "K digits and stop", not which digits. Returns the last loss."""
@@ -385,7 +461,8 @@ def warm_start(model: TinyCausalLM, task: DigitTask, steps: int, lr: float, gene
     return float(loss.detach())
 
 
-def frozen_reference(actor_model: torch.nn.Module, prompt_len: int) -> TensorDictModule:
+def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: torch.dtype | None = None,
+                     copy_model: bool = True) -> TensorDictModule:
     """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
     and without gradients, read out as per-token log-probabilities of the response.
 
@@ -393,6 +470,10 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int) -> TensorDic
         actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
             (after the warm start): later optimizer steps of the actor do not move the copy.
         prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        dtype: convert the reference's weights to it (``torch.bfloat16`` under ``--dtype bfloat16``)
+            and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
+        copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
+            checkpoint loaded again under ``--model``) instead of a ``copy.deepcopy``.
 
     Returns:
         A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
@@ -411,7 +492,10 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int) -> TensorDic
         >>> ref.module.model is lm, any(p.requires_grad for p in ref.parameters())
         (False, False)
     """
-    ref = copy.deepcopy(actor_model).eval().requires_grad_(False)
+    ref = (copy.deepcopy(actor_model) if copy_model else actor_model).eval().requires_grad_(False)
+    if dtype is not None:
+        ref = ref.to(dtype)
+        ref.autocast_dtype = None  # its weights are in dtype already
     return TensorDictModule(
         ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
     )
@@ -748,12 +832,16 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
     task = DigitTask(cfg.task, cfg.digits)
     env = _make_env(task, cfg.num_envs, str(device), rank_seed)
     P, M = env.prompt_len, env.max_new_tokens
-    lm = TinyCausalLM(TinyLMConfig.preset(cfg.preset, vocab_size=task.vocab_size, block_size=env.seq_len)).to(device)
+    lm = _policy_lm(cfg, task, env.seq_len, device)  # a TinyCausalLM preset, or --model DIR behind the task's tokens
     ckpt = _plumbing.load_checkpoint(out / "checkpoint.pt", d, device) if cfg.resume else None
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
-    ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, entropy_grad=cfg.entropy_coef > 0)
-    ref = frozen_reference(ac.actor_model, P)  # copied before any sharding: the reference stays whole
+    critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
+    ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
+                           entropy_grad=cfg.entropy_coef > 0)
+    ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
+    ref = frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
+                           copy_model=ref_lm is None)  # made before any sharding: the reference stays whole
     # the loss calls the actor and the critic through DDP under torchrun (gradients all-reduced), or
     # with --fsdp their models sharded in place (parameters, gradients, AdamW state split over ranks)
     if cfg.fsdp:
