@@ -181,8 +181,9 @@ def test_hf_cache_rows_at_different_slots_equal_their_own_full_forward(kind):
     with torch.no_grad():
         prefix = mask & (torch.arange(8) < last[:, None])
         lm(ids, prefix, position_ids=pos, cache=cache, cache_slots=0, compute_logits=False)
-        step = lm(ids.gather(1, last[:, None]), mask.gather(1, last[:, None]), position_ids=pos.gather(1, last[:, None]),
-                  cache=cache, cache_slots=last[:, None]).logits[:, 0]
+        col = last[:, None]  # [B, 1]
+        step = lm(ids.gather(1, col), mask.gather(1, col), position_ids=pos.gather(1, col), cache=cache,
+                  cache_slots=col).logits[:, 0]
         ref = torch.stack([lm(ids[b:b + 1, : int(last[b]) + 1], mask[b:b + 1, : int(last[b]) + 1]).logits[0, -1]
                            for b in range(3)])
     torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-5)
