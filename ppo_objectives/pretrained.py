@@ -284,8 +284,8 @@ class TokenMappedLM(nn.Module):
         input_ids = _validate.check_tensor("input_ids", input_ids)
         if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
             raise TypeError(f"TokenMappedLM: input_ids must hold integer task token ids, got dtype {input_ids.dtype}")
-        if _validate.checking_values() and input_ids.numel():
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+        if _validate.checking_values() and input_ids.numel():  # one host read
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(
                     f"TokenMappedLM: input_ids holds task token id {lo if lo < 0 else hi}, outside the task's "

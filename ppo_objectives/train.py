@@ -435,6 +435,16 @@ def _loaded_copy(cfg: TrainConfig, task: DigitTask, lm: torch.nn.Module, device)
     return copy_lm
 
 
+def _check_resumed_model(ckpt: dict, cfg: TrainConfig, out: Path) -> None:
+    """``--resume`` with another ``--model`` (or a preset run's checkpoint with ``--model``) is an error."""
+    saved = ckpt.get("config", {}).get("model", "")
+    if saved != cfg.model:
+        raise ValueError(
+            f"--resume: {out / 'checkpoint.pt'} was written by a run with --model {saved!r} but this run has --model "
+            f"{cfg.model!r}: its networks are another model's; resume with the same --model (or a new --out)"
+        )
+
+
 _AUTOCAST_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> autocast_dtype of actor and critic
 _REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> the frozen reference's weights
 
@@ -836,6 +846,8 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
     ckpt = _plumbing.load_checkpoint(out / "checkpoint.pt", d, device) if cfg.resume else None
     if ckpt is None:
         warm_start(lm, task, cfg.warmup_steps, cfg.warmup_lr, gen, device)
+    else:
+        _check_resumed_model(ckpt, cfg, out)  # the checkpoint holds the networks built here
     critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
                            entropy_grad=cfg.entropy_coef > 0)

@@ -247,7 +247,8 @@ def _grads(lm, ids, mask):
 def test_gradient_checkpointing_gives_the_same_gradients(ckpt):
     path = ckpt("qwen2")
     plain, checkpointed = PT.load_policy_model(path, TASK), PT.load_policy_model(path, TASK, grad_checkpointing=True)
-    assert checkpointed.model.hf_model.is_activation_checkpointing and not plain.model.hf_model.is_activation_checkpointing
+    assert checkpointed.model.hf_model.is_activation_checkpointing
+    assert not plain.model.hf_model.is_activation_checkpointing
     ids = _ids()
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, :2] = False
@@ -326,6 +327,8 @@ def test_the_job_trains_a_checkpoint_and_resumes_exactly(ckpt, tmp_path, arch):
     assert [r["iteration"] for r in resumed] == [1.0, 2.0, 3.0]
     for key in _NOT_TIMING:
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full], rel=1e-5, abs=1e-7), key
+    with pytest.raises(ValueError, match="was written by a run with --model .* but this run has --model ''"):
+        T.main(["--out", str(tmp_path / "split"), "--iterations", "4", "--resume", *SMALL])
 
 
 @pytest.mark.slow
