@@ -366,7 +366,8 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Te
 class _FullStateDict:
     """A checkpoint entry of an FSDP-sharded model (``optimizer=None``) or of its optimizer: ``state_dict()``
     gathers the full state on rank 0 (CPU; ``{}`` on the other ranks), ``load_state_dict()`` takes a
-    full state dict on every rank and keeps this rank's shards. Both are collectives."""
+    full state dict on every rank and keeps this rank's shards (the dict given is left as it is). Both are
+    collectives."""
 
     def __init__(self, model: torch.nn.Module, optimizer=None):
         self.model, self.optimizer = model, optimizer
@@ -383,8 +384,8 @@ class _FullStateDict:
         from torch.distributed.checkpoint import state_dict as dcp
 
         opts = dcp.StateDictOptions(full_state_dict=True)
-        if self.optimizer is None:
-            dcp.set_model_state_dict(self.model, state, options=opts)
+        if self.optimizer is None:  # a new dict: torch puts the shards into the one it is given
+            dcp.set_model_state_dict(self.model, dict(state), options=opts)
             return
         if any(isinstance(k, int) for k in state.get("state", {})):
             raise ValueError(
@@ -392,6 +393,8 @@ class _FullStateDict:
                 "without --fsdp writes it (--fsdp keys it by parameter name); resume with the flags the "
                 "checkpoint was written with"
             )
+        state = dict(state, state={k: dict(v) for k, v in state.get("state", {}).items()},
+                     param_groups=[dict(g) for g in state.get("param_groups", [])])
         dcp.set_optimizer_state_dict(self.model, self.optimizer, state, options=opts)
 
 
