@@ -178,6 +178,19 @@ def test_the_head_is_the_inner_heads_rows_and_is_in_the_state_dict_once(ckpt):
     assert sorted(lm.state_dict()) == sorted("model." + k for k in lm.model.state_dict())
 
 
+def test_the_hidden_state_read_out_through_the_restricted_head_equals_the_logits_read_out(ckpt):
+    from ppo_objectives.readouts import ResponseLogProbs, lm_head_parameters
+
+    lm = PT.load_policy_model(ckpt("qwen2"), TASK)
+    assert lm_head_parameters(lm)[0].shape == (16, 32)  # the read-outs find the task's rows
+    ids = _ids(B=4, T_=8)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    P = TASK.prompt_len
+    (a, ha), (b, hb) = (ResponseLogProbs(lm, P, from_hidden=f)(ids, mask) for f in (False, True))
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hb, ha, atol=1e-5, rtol=1e-5)
+
+
 def test_autocast_dtype_and_the_kv_cache_are_the_inner_models():
     inner = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
     lm = PT.TokenMappedLM(inner, torch.tensor([3, 1, 4, 5]))
