@@ -24,6 +24,24 @@ The naive version (what most PPO code does)::
     logq = torch.log_softmax(logits.float(), -1)                        # [B, T, V] float32
     logp = logq[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # then the response slice
     entropy = -(logq.exp() * logq).sum(-1)[:, :-1]
+
+Second section, **whole read-out from hidden states**: every side starts from the last hidden
+states ``hidden [B, T, C]`` and an LM head ``W [V, C]`` with the Qwen2 vocabulary ``V = 151936`` and
+the Qwen2-0.5B width ``C = 896``, and runs forward + backward with gradients to ``hidden`` and
+``W``:
+
+- ``naive``: ``logits = hidden @ W.T``, then the naive log-softmax above;
+- ``chunked``: ``logits = hidden @ W.T``, then ``response_log_probs`` (the first section's path);
+- ``hidden``: ``response_log_probs_from_hidden(hidden, W, ...)``: the head inside the chunk loop,
+  the ``[B, T, V]`` logits never formed.
+
+Memory is the peak of the extra bytes beyond the inputs and beyond the gradients of ``hidden``
+and ``W`` (outputs every side has), reported in MB and as a ratio to each materialised path's
+peak extra. Sizes: CPU float32, ``B=2, T=1024`` (``--quick``: ``B=1, T=384``); CUDA bfloat16,
+``B=8, T=2048`` (``--quick``: ``T=512``). Goals: the hidden path's peak extra <= 0.1x either
+materialised path's, its time <= 1.5x.
+
+    python benchmarks/bench_logprobs.py --section hidden   # only the second section
 """
 
 from __future__ import annotations
@@ -39,10 +57,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
-from ppo_objectives.functional import response_log_probs
+from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden
 
 GOAL_MEMORY = 0.25  # peak extra / logits bytes
 GOAL_TIME = 1.5  # chunked time / naive time
+GOAL_HIDDEN_MEMORY = 0.1  # hidden path's peak extra / a materialised path's peak extra
+GOAL_HIDDEN_TIME = 1.5  # hidden path's time / a materialised path's time
+QWEN2_VOCAB, QWEN2_05B_WIDTH = 151936, 896
 
 
 def naive(logits, ids, entropy):
@@ -116,15 +137,8 @@ def median_time(fns: dict, device, repeats: int, warmup: bool) -> dict:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--quick", action="store_true", help="smallest vocabulary only, fewer repeats")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU runs")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def logits_section(args, device) -> list[str]:
+    """The first section: ``response_log_probs`` vs the naive log-softmax on given logits."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     vocabs = [6400, 32000, 151936] if cuda else [6400, 32000]
@@ -133,7 +147,7 @@ def main(argv=None):
     repeats = (3 if args.quick else 10) if cuda else (1 if args.quick else 2)
     b, t = 8, 1024
 
-    print(f"# bench_logprobs  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  device {device}")
+    print("## response_log_probs on given logits vs the naive log_softmax().gather()")
     where = torch.cuda.get_device_name(device) if cuda else f"{platform.machine()}, torch threads {torch.get_num_threads()}"
     print(f"# {where}; B={b} T={t} R={t - 1}, {str(dtype).replace('torch.', '')} logits, forward + backward")
     print(f"# memory: peak extra beyond logits and their gradient, / logits bytes; time: median of {repeats}")
@@ -181,6 +195,106 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
     print()
+    return verdicts
+
+
+# --------------------------------------------------------------------------- #
+# Whole read-out from hidden states
+# --------------------------------------------------------------------------- #
+
+
+def materialised_naive(hidden, weight, ids):
+    return naive(hidden @ weight.T, ids, True)
+
+
+def materialised_chunked(hidden, weight, ids):
+    return chunked(hidden @ weight.T, ids, True)
+
+
+def from_hidden(hidden, weight, ids):
+    prompt = torch.ones(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    return response_log_probs_from_hidden(hidden, weight, ids, prompt, hidden.shape[1] - 1, return_entropy=True)
+
+
+def head_step(impl, hidden, weight, ids):
+    """Forward + backward of ``logp.sum() + 0.01 * entropy.sum()``, gradients to hidden and weight."""
+    hidden.grad = weight.grad = None
+    logp, ent = impl(hidden, weight, ids)
+    (logp.sum() + 0.01 * ent.sum()).backward()
+    return logp.detach(), ent.detach()
+
+
+def hidden_section(args, device) -> list[str]:
+    """The second section: the whole read-out (head matmul included) from hidden states."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    b, t = (8, 512 if args.quick else 2048) if cuda else ((1, 384) if args.quick else (2, 1024))
+    v, c = QWEN2_VOCAB, QWEN2_05B_WIDTH
+    repeats = (3 if args.quick else 5) if cuda else 1
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(b, t, c, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(v, c, generator=gen) / c**0.5).to(device=device, dtype=dtype).requires_grad_()
+    ids = torch.randint(0, v, (b, t), generator=gen).to(device)
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    logits_mb = b * t * v * hidden.element_size() / 2**20
+    print(f"## whole read-out from hidden states: hidden [B={b}, T={t}, C={c}], head [V={v}, C={c}], "
+          f"{str(dtype).replace('torch.', '')}, R={t - 1}, entropy, forward + backward to hidden and W")
+    print(f"# the materialised [B, T, V] logits would take {logits_mb:.0f}MB; memory: peak extra beyond the "
+          f"inputs and the gradients of hidden and W; time: median of {repeats}")
+    print()
+    impls = {"naive": materialised_naive, "chunked": materialised_chunked, "hidden": from_hidden}
+    mem, outs = {}, {}
+    for name, impl in impls.items():
+        box = []
+        hidden.grad = weight.grad = None  # the gradients are allocated inside the measured step
+        peak = peak_extra_bytes(lambda impl=impl: box.append(head_step(impl, hidden, weight, ids)), device)
+        mem[name], outs[name] = peak - grad_bytes, box[0]
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-3
+    for name in ("naive", "hidden"):
+        err = max(float((x - y).abs().max()) for x, y in zip(outs[name], outs["chunked"]))
+        assert err < tol, f"{name} and chunked differ by {err}"
+    times = median_time(
+        {name: (lambda impl=impl: head_step(impl, hidden, weight, ids)) for name, impl in impls.items()},
+        device, repeats, warmup=cuda,
+    )  # fmt: skip
+    header = f"{'path':>8}  {'peak extra':>10}  {'time':>9}"
+    print(header)
+    print("-" * len(header))
+    for name in impls:
+        print(f"{name:>8}  {mem[name] / 2**20:>8.0f}MB  {times[name] * 1e3:>7.0f}ms")
+    print()
+    verdicts = []
+    for ref in ("chunked", "naive"):
+        m, r = mem["hidden"] / mem[ref], times["hidden"] / times[ref]
+        print(f"hidden / {ref}: peak extra {m:.3f}x, time {r:.2f}x")
+        verdicts.append(
+            f"hidden vs materialised {ref}: peak extra {m:.3f}x (goal <= {GOAL_HIDDEN_MEMORY}x: "
+            f"{'met' if m <= GOAL_HIDDEN_MEMORY else 'NOT met'}), time {r:.2f}x (goal <= {GOAL_HIDDEN_TIME}x: "
+            f"{'met' if r <= GOAL_HIDDEN_TIME else 'NOT met'})"
+        )
+    print()
+    return verdicts
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--quick", action="store_true", help="smallest cases only, fewer repeats (under a minute)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for CPU runs (default: 1)")
+    parser.add_argument("--section", choices=("all", "logits", "hidden"), default="all",
+                        help="logits: response_log_probs on given logits; hidden: the whole read-out from hidden "
+                             "states; all: both (default)")  # fmt: skip
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    print(f"# bench_logprobs  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  device {device}")
+    print()
+    verdicts = []
+    if args.section in ("all", "logits"):
+        verdicts += logits_section(args, device)
+    if args.section in ("all", "hidden"):
+        verdicts += hidden_section(args, device)
     print("Goals:")
     for line in verdicts:
         print(f"  {line}")

@@ -23,6 +23,26 @@ Extra memory at any moment is at most three ``[c, V]`` buffers (allocated once, 
 every chunk, arithmetic in place); the default ``c`` keeps them to about 1/8 of the logits' size (at least ~1 MiB per chunk, so tiny inputs are not split into
 single rows). Gradients are first-order only: the backward is marked ``once_differentiable``,
 so a double backward raises instead of silently being wrong.
+
+**From hidden states** (:func:`gathered_log_probs_from_hidden`, behind
+``functional.response_log_probs_from_hidden``). Starting from logits, the model's head has already
+formed ``[B, T, V]`` (5 GB in bf16 at ``B=8, T=2048, V=151936``). The second Function starts one step
+earlier, from the hidden states ``h [B, T, C]`` and the head ``W [V, C]`` (``b [V]``): each chunk of
+``c`` scored rows is gathered (``h_c = h[rows]``, ``[c, C]``), projected ``x = h_c @ W^T + b`` in the
+hidden states' dtype (a bf16 matmul for bf16 inputs), upcast to float32 and reduced as above; only
+``lse`` (and the entropy) per row is kept. The backward recomputes ``x``, forms ``g = d loss / d x``
+``[c, V]`` with the formulas above, and accumulates in float32::
+
+    grad_h[rows] += g @ W        (index_add_: repeated rows add up)
+    grad_W       += g^T @ h_c
+    grad_b       += g.sum(0)
+
+cast to each input's dtype at the end. Extra memory at any moment: two ``[c, V]`` float32 buffers
+(plus one in the hidden dtype for half precision; ``c`` from :func:`default_hidden_chunk_size`), the
+gradients themselves and, for a half-precision head, one ``[V, C]`` product in its dtype per
+backward. Unscored (masked) rows are dropped before the projection, so no matmul is spent on them.
+Autocast is off inside both passes: the projection dtype is the hidden states' dtype, whatever
+the caller's autocast state, so the backward recomputes exactly the forward's logits.
 """
 
 from __future__ import annotations
@@ -201,27 +221,35 @@ def gathered_log_probs(
 # From hidden states: the LM head's projection inside the chunk loop
 # --------------------------------------------------------------------------- #
 
-#: Bytes of the ``[c, V]`` chunk buffers of :class:`_HiddenLogProbs`; sets the default chunk size.
+#: Most bytes the ``[c, V]`` chunk buffers of :class:`_HiddenLogProbs` take (the default chunk size).
 HIDDEN_CHUNK_BYTES = 256 << 20
+_HIDDEN_FRACTION = 0.125  # chunk buffers / logits of the scored rows in the hidden dtype (as _BUDGET_FRACTION)
+_MIN_HIDDEN_CHUNK_BYTES = 64 << 20  # every chunk reads the head and updates its [V, C] gradient: keep chunks large
 
 
 def default_hidden_chunk_size(vocab_size: int, n_rows: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that the ``[c, V]`` buffers of one chunk take about :data:`HIDDEN_CHUNK_BYTES`.
+    """Rows per chunk: the ``[c, V]`` buffers of one chunk take at most :data:`HIDDEN_CHUNK_BYTES`
+    and at most 1/8 of the logits they stand in for (``n_rows x V`` in ``dtype``), at least 64 MiB.
 
     A chunk holds two ``[c, V]`` buffers in the compute dtype (float32; float64 for float64
     hidden states) and, for half-precision hidden states, one more in their dtype (the matmul's
-    output and the backward's ``d logits`` operand). At least 1 row, at most ``n_rows``.
+    output and the backward's ``d logits`` operand). At least 1 row, at most ``n_rows``. Every
+    chunk reads the whole head ``[V, C]`` and, in the backward, reads and writes its whole
+    gradient, so chunks are kept large while memory allows.
 
-    >>> default_hidden_chunk_size(151936, 8 * 2047, torch.bfloat16)   # 10 bytes a logit
+    >>> default_hidden_chunk_size(151936, 8 * 2047, torch.bfloat16)   # 10 bytes a logit, 256 MiB
     176
+    >>> default_hidden_chunk_size(151936, 2 * 1023, torch.float32)    # 1/8 of the [2046, V] logits
+    127
     >>> default_hidden_chunk_size(100, 5, torch.float32)              # everything in one chunk
     5
     """
     cd = _compute_dtype_of(dtype)
-    per_logit = 2 * torch.empty((), dtype=cd).element_size()
-    if dtype != cd:
-        per_logit += torch.empty((), dtype=dtype).element_size()
-    rows = HIDDEN_CHUNK_BYTES // (per_logit * max(vocab_size, 1))
+    size = torch.empty((), dtype=dtype).element_size()
+    per_logit = 2 * torch.empty((), dtype=cd).element_size() + (size if dtype != cd else 0)
+    per_row = per_logit * max(vocab_size, 1)
+    rows = max(int(_HIDDEN_FRACTION * n_rows * size * max(vocab_size, 1)), _MIN_HIDDEN_CHUNK_BYTES) // per_row
+    rows = min(rows, HIDDEN_CHUNK_BYTES // per_row)
     return max(1, min(max(n_rows, 1), rows))
 
 

@@ -167,7 +167,9 @@ def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
       restricts or transforms its head says so this way; it may return ``None``);
     - else ``(model.lm_head.weight, model.lm_head.bias)`` when ``model.lm_head`` is exactly an
       ``nn.Linear`` (not a subclass, whose forward may differ) without forward hooks;
-    - else ``None``: the head is unknown and only the model's own logits can be used.
+    - else ``None``: the head is unknown and only the model's own logits can be used. Also
+      ``None`` for a head whose weight is a sharded ``DTensor`` (FSDP): it is whole only
+      inside the model's forward.
 
     Example:
         >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
@@ -180,15 +182,24 @@ def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """
     method = getattr(model, "lm_head_parameters", None)
     if callable(method):
-        return method()
-    head = getattr(model, "lm_head", None)
-    if type(head) is nn.Linear and not _has_forward_hooks(head):
-        return head.weight, head.bias
-    return None
+        params = method()
+    else:
+        head = getattr(model, "lm_head", None)
+        plain = type(head) is nn.Linear and not _has_forward_hooks(head)
+        params = (head.weight, head.bias) if plain else None
+    return None if params is None or _is_sharded(params[0]) else params
 
 
 def _has_forward_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _is_sharded(weight: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
 
 
 def _check_from_hidden(from_hidden: object, who: str) -> None:
@@ -255,7 +266,9 @@ class ResponseLogProbs(nn.Module):
       model has an ``autocast_dtype``, the hidden states are cast to it first, so the
       projection runs in the precision the model's own head runs in under autocast.
     - ``from_hidden="auto"`` (the default): hidden states when the model exposes its
-      head and ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits.
+      head and ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits
+      (decided at construction; a call that finds the head no longer exposed, e.g.
+      sharded, reads the logits).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -290,27 +303,29 @@ class ResponseLogProbs(nn.Module):
         fix = "define model.lm_head_parameters() -> (weight, bias), or use from_hidden=False (the logits path)"
         #: Whether this read-out scores hidden states (True) or the model's logits (False).
         self.from_hidden = _use_hidden(from_hidden, lm_head_parameters(model), "ResponseLogProbs", fix)
+        self._required = from_hidden is True
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
         R = _response_len(input_ids, self.prompt_len, "score", "ResponseLogProbs")
         B = input_ids.shape[0]
         starts = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
-        if self.from_hidden:
-            return self._from_hidden(input_ids, attention_mask, starts, R)
+        head = lm_head_parameters(self.model) if self.from_hidden else None
+        if head is None and self.from_hidden and self._required:
+            raise ValueError(
+                f"ResponseLogProbs: {type(self.model).__name__} no longer exposes its LM head (lm_head_parameters "
+                f"returned None, e.g. a hook was added or the head was sharded); rebuild the read-out with "
+                f"from_hidden=False"
+            )
+        if head is not None:
+            return self._from_hidden(head, input_ids, attention_mask, starts, R)
         logits = self.model(input_ids, attention_mask).logits
         with value_checks(False):  # the positions are in range by construction
             return read_log_probs(
                 logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
             )
 
-    def _from_hidden(self, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
+    def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
         hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
-        head = lm_head_parameters(self.model)
-        if head is None:
-            raise ValueError(
-                f"ResponseLogProbs: {type(self.model).__name__} no longer exposes its LM head (lm_head_parameters "
-                f"returned None); rebuild the read-out with from_hidden=False"
-            )
         autocast_dtype = getattr(self.model, "autocast_dtype", None)
         if autocast_dtype is not None and hidden.dtype != autocast_dtype:
             hidden = hidden.to(autocast_dtype)  # the head's precision under the model's autocast

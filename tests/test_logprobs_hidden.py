@@ -272,8 +272,12 @@ def test_gradcheck_in_float64_and_double_backward_raises():
 
 
 def test_default_chunk_size_follows_the_memory_budget():
+    # large batches: 256 MiB of [c, V] buffers (8 bytes a logit in float32, 10 in bf16)
     assert default_hidden_chunk_size(151936, 10**6, torch.float32) == (256 << 20) // (8 * 151936)
     assert default_hidden_chunk_size(151936, 10**6, torch.bfloat16) == (256 << 20) // (10 * 151936)
+    # smaller ones: 1/8 of the [N, V] float32 logits (4 bytes each) over 8 bytes a row-logit, at least 64 MiB
+    assert default_hidden_chunk_size(151936, 1600, torch.float32) == 1600 * 4 // (8 * 8)
+    assert default_hidden_chunk_size(151936, 300, torch.float32) == (64 << 20) // (8 * 151936)
     assert default_hidden_chunk_size(10**9, 50, torch.float32) == 1  # at least one row
     assert default_hidden_chunk_size(10, 50, torch.float32) == 50  # at most every row
     assert default_hidden_chunk_size(10, 0, torch.float32) == 1
@@ -496,6 +500,17 @@ def test_response_log_probs_refuses_a_hidden_path_without_a_head():
     ids, am = _response_batch(13, P=3)
     with pytest.raises(ValueError, match=r"no longer exposes its LM head.*from_hidden=False"):
         readout(ids, am)
+
+
+def test_auto_reads_the_logits_when_the_head_is_no_longer_exposed():
+    lm = _tiny(FROM_HIDDEN_MIN_VOCAB)
+    auto = ResponseLogProbs(lm, 4)
+    assert auto.from_hidden
+    lm.lm_head.register_forward_hook(lambda m, i, o: o)
+    ids, am = _response_batch(FROM_HIDDEN_MIN_VOCAB)
+    lp, ent = auto(ids, am)
+    lp_ref, ent_ref = ResponseLogProbs(lm, 4, from_hidden=False)(ids, am)
+    assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref)
 
 
 # ----------------------------------------------------------------------------- CausalLMTokenLogProbs
