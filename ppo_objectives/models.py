@@ -9,7 +9,7 @@ interface, ``forward(input_ids, attention_mask, ..., cache=, cache_slots=) ->
 LMOutput(logits, hidden)`` plus ``hidden_size``, ``vocab_size``, ``lm_head``
 and ``new_cache``, so it can replace the tiny model
 (``pip install ppo_objectives[hf]``). Both keep the same per-row
-:class:`KVCache` (Llama and Qwen2 for the adapter: ``supports_kv_cache``), and
+:class:`KVCache` (Llama, Mistral, Qwen2, Qwen3 for the adapter: ``supports_kv_cache``), and
 both run in mixed precision when ``autocast_dtype`` is set (float32 logits). :func:`hf_decoder` and :func:`hf_forward`
 are the package's one way into a Hugging Face module: the adapter and the
 full-sequence read-outs (:class:`~ppo_objectives.readouts.CausalLMCritic`,
@@ -556,7 +556,7 @@ def hf_forward(
 #: Hugging Face ``model_type`` values whose decoder is verified to take the per-row cache
 #: (tests/test_hf_cache.py): RoPE positions from ``position_ids``, an explicit 4D mask passed through
 #: ``create_causal_mask`` as is, and ``cache.update(keys, values, layer_idx)`` in every attention layer.
-_KV_CACHE_MODEL_TYPES = ("llama", "qwen2")
+_KV_CACHE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: Attention implementations that read the explicit mask: SDPA takes a boolean one, eager an additive one.
 _KV_CACHE_ATTENTION = ("sdpa", "eager")
 
@@ -578,6 +578,8 @@ def _kv_cache_refusal(config) -> str | None:
     layer_types = getattr(config, "layer_types", None) or ()
     if any(t != "full_attention" for t in layer_types):
         return f"layer_types={sorted(set(layer_types))} holds non-full attention layers (sliding windows)"
+    if getattr(config, "sliding_window", None) is not None:
+        return f"sliding_window={config.sliding_window}: the per-row mask attends to the whole prefix, not a window"
     return None
 
 
@@ -668,8 +670,8 @@ class HFCausalLMAdapter(nn.Module):
     key valid, or the query's own slot) and explicit ``position_ids`` go to the
     decoder, so feeding a sequence in pieces gives the full forward's logits.
     :attr:`supports_kv_cache` is True for the verified ``model_type`` values
-    (Llama, Qwen2) with SDPA or eager attention and full attention in every
-    layer; otherwise the env policy runs a full forward per token, O(S^2), and
+    (Llama, Mistral, Qwen2, Qwen3) with SDPA or eager attention and full
+    attention in every layer (no sliding window); otherwise the env policy runs a full forward per token, O(S^2), and
     :meth:`new_cache` names the reason.
 
     **Mixed precision.** ``autocast_dtype`` works as on :class:`TinyCausalLM`:

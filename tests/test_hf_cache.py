@@ -141,13 +141,18 @@ def _hf(kind="llama", attn="sdpa", vocab=32, seed=0, **kw):
                   max_position_embeddings=32, attn_implementation=attn)
     if kind == "llama":
         cfg = transformers.LlamaConfig(num_key_value_heads=2, **common, **kw)
-    else:
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(num_key_value_heads=4, **common, **kw)
+    elif kind == "qwen3":  # q / k RMSNorm, an explicit head_dim
+        cfg = transformers.Qwen3Config(num_key_value_heads=2, head_dim=8, **common, **kw)
+    else:
+        cfg = transformers.MistralConfig(num_key_value_heads=2, **{"sliding_window": None, **common, **kw})
     torch.manual_seed(seed)
     return HFCausalLMAdapter.from_config(cfg).eval()
 
 
-MODELS = [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")]
+MODELS = [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager"), ("qwen3", "sdpa"),
+          ("mistral", "sdpa")]
 
 
 @pytest.mark.parametrize("kind, attn", MODELS)
@@ -157,7 +162,7 @@ def test_hf_cache_in_pieces_equals_the_full_forward_with_left_padding(kind, attn
     ids, mask = _batch(B=3, T=10)
     pos = position_ids_from_mask(mask)
     cache = lm.new_cache(3, 12)
-    H_kv = 2 if kind == "llama" else 4
+    H_kv = 4 if kind == "qwen2" else 2
     assert cache.k.shape == (2, 3, H_kv, 12, 8) and cache.v.shape == cache.k.shape
     with torch.no_grad():
         full = lm(ids, mask).logits
@@ -202,7 +207,7 @@ def _rollout_logits(head, env, steps, seed=0):
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_hf_next_token_logits_equal_the_full_forward_through_partial_resets(kind):
     task = DigitTask("reverse", 3, min_digits=1)  # prompts of 2 to 4 tokens, left-padded to 4
     env = TokenLMEnv.from_task(task, num_envs=5, seed=1)
@@ -276,16 +281,19 @@ def test_hf_cache_is_refused_for_unverified_models_and_the_env_policy_falls_back
     with pytest.raises(ValueError, match=r"no per-row KV cache for this model: layer_types=\['full_attention', "
                                          r"'sliding_attention'\] holds non-full attention layers"):
         sliding.new_cache(1, 8)
-    cfg = transformers.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2)
-    mistral = HFCausalLMAdapter.from_config(cfg)
-    assert not mistral.supports_kv_cache
-    with pytest.raises(ValueError, match=r"model_type='mistral' is not among the verified ones"):
-        mistral.new_cache(1, 8)
+    windowed = _hf("mistral", sliding_window=4)
+    assert not windowed.supports_kv_cache
+    with pytest.raises(ValueError, match=r"sliding_window=4: the per-row mask attends to the whole prefix"):
+        windowed.new_cache(1, 8)
+    cfg = transformers.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    gemma = HFCausalLMAdapter.from_config(cfg)
+    assert not gemma.supports_kv_cache
+    with pytest.raises(ValueError, match=r"model_type='gemma' is not among the verified ones"):
+        gemma.new_cache(1, 8)
     cache = _hf("llama").new_cache(1, 8)
-    with pytest.raises(ValueError, match=r"model_type='mistral' is not among the verified ones"):
-        mistral(torch.ones(1, 2, dtype=torch.long), cache=cache, cache_slots=0)
-    mistral.hf_model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match=r"model_type='gemma' is not among the verified ones"):
+        gemma(torch.ones(1, 2, dtype=torch.long), cache=cache, cache_slots=0)
     lm = _hf("llama")
     lm.hf_model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match=r"attention implementation 'flex_attention' does not read an explicit"):
