@@ -28,6 +28,7 @@ from ppo_objectives.readouts import (
     ResponseLogProbs,
     lm_head_parameters,
     make_actor_critic,
+    read_log_probs,
 )
 
 # ----------------------------------------------------------------------------- references
@@ -431,9 +432,10 @@ def test_auto_keeps_a_small_vocabulary_on_the_logits_path():
     assert ac.actor.module.from_hidden is False
     assert make_actor_critic(lm, 3, from_hidden=True).actor.module.from_hidden is True
     ids, am = _response_batch(13, P=3)
-    # the logits path is the model's own logits, bit for bit
+    # the logits path is read_log_probs on the model's own logits, bit for bit
     lp, ent = ResponseLogProbs(lm, 3)(ids, am)
-    lp_ref, ent_ref = ResponseLogProbs(lm, 3, from_hidden=False)(ids, am)
+    lp_ref, ent_ref = read_log_probs(lm(ids, am).logits, ids, torch.full((3,), 3), ids.shape[1] - 3,
+                                     return_entropy=True)  # fmt: skip
     assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref)
 
 
