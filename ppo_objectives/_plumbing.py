@@ -157,12 +157,15 @@ def wrap_ddp(ac: ActorCritic, d: Dist, device: torch.device) -> tuple[TensorDict
     """Actor and critic TensorDict modules whose networks are ``DistributedDataParallel``.
 
     The loss calls them (never ``.module``), so every backward all-reduces the gradients.
-    Construction broadcasts rank 0's parameters, so every rank starts identical.
+    Construction broadcasts rank 0's parameters, so every rank starts identical. The critic's
+    wrapper finds unused parameters: its trunk's LM head takes no gradient when it is not tied to
+    the input embeddings (a Hugging Face checkpoint's, under ``--model``).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    kw = dict(device_ids=[device.index] if device.type == "cuda" else None)  # the models have no buffers
-    actor_ddp, critic_ddp = DDP(ac.actor.module, **kw), DDP(ac.critic.module, **kw)
+    kw = dict(device_ids=[device.index] if device.type == "cuda" else None)
+    # the critic reads hidden states: an LM head of its own (not tied to the embeddings) takes no gradient
+    actor_ddp, critic_ddp = DDP(ac.actor.module, **kw), DDP(ac.critic.module, find_unused_parameters=True, **kw)
     actor = TensorDictModule(actor_ddp, in_keys=ac.actor.in_keys, out_keys=ac.actor.out_keys)
     critic = TensorDictModule(critic_ddp, in_keys=ac.critic.in_keys, out_keys=ac.critic.out_keys)
     return actor, critic, [actor_ddp, critic_ddp]
@@ -332,15 +335,15 @@ def gathered_for_rollout(model: torch.nn.Module) -> Iterator[None]:
     if not mods:
         yield
         return
-    model.set_reshard_after_forward(False)
     for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield
     finally:
         for m in mods:
             m.reshard()
-        model.set_reshard_after_forward(True)
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
