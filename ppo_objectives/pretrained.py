@@ -395,19 +395,20 @@ def _build_tokenizer(task):
 
 
 def _config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-            intermediate_size: int | None):
+            intermediate_size: int | None, tie_word_embeddings: bool):
     from transformers import LlamaConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     return cls(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=256,
-               pad_token_id=1, bos_token_id=2, eos_token_id=3)
+               pad_token_id=1, bos_token_id=2, eos_token_id=3, tie_word_embeddings=tie_word_embeddings)
 
 
 def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_size: int = 64, num_layers: int = 2,
                           num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
-                          vocab_size: int | None = None, seed: int = 0, with_tokenizer: bool = True) -> Path:
+                          vocab_size: int | None = None, seed: int = 0, with_tokenizer: bool = True,
+                          tie_word_embeddings: bool = False) -> Path:
     """Write a randomly initialised Llama / Qwen2 causal LM (and its tokenizer) to ``out_dir``; returns it.
 
     The model is ``AutoModelForCausalLM.from_config(LlamaConfig | Qwen2Config(...))``, initialised
@@ -430,6 +431,8 @@ def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_siz
         vocab_size: ``V`` (default: the tokenizer's size rounded up to a multiple of 16, as real
             checkpoints pad their embeddings; ``2 * V_task`` without a tokenizer).
         seed: the initialisation's seed.
+        tie_word_embeddings: share the token embedding with the LM head (as ``TinyCausalLM``
+            does; Llama's default is untied).
 
     Example:
         >>> import os, tempfile
@@ -455,7 +458,8 @@ def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_siz
     out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size)
+    config = _config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -488,10 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer: train maps task token i to model token i")
+    p.add_argument("--tie-embeddings", action="store_true", help="share the token embedding with the LM head")
     a = p.parse_args(argv)
     path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
                                  num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
-                                 vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer)
+                                 vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer,
+                                 tie_word_embeddings=a.tie_embeddings)
     print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}")
     return 0
 

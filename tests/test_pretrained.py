@@ -376,3 +376,9 @@ def test_job_flags_are_checked_before_the_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="2"):
         T.build_parser().parse_args(["--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_a_tied_checkpoint_shares_its_embedding_with_the_head(tmp_path):
+    path = PT.write_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=True, **TINY)
+    hf = PT.load_policy_model(path, TASK).model.hf_model
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
