@@ -9,9 +9,10 @@ interface, ``forward(input_ids, attention_mask, ..., cache=, cache_slots=) ->
 LMOutput(logits, hidden)`` plus ``hidden_size``, ``vocab_size``, ``lm_head``
 and ``new_cache``, so it can replace the tiny model
 (``pip install ppo_objectives[hf]``). Both keep the same per-row
-:class:`KVCache` (Llama, Mistral, Qwen2, Qwen3 for the adapter: ``supports_kv_cache``), and
-both run in mixed precision when ``autocast_dtype`` is set (float32 logits). :func:`hf_decoder` and :func:`hf_forward`
-are the package's one way into a Hugging Face module: the adapter and the
+:class:`KVCache` (for the adapter: Llama, Mistral, Qwen2 and Qwen3, see
+``supports_kv_cache``), and both run in mixed precision when ``autocast_dtype``
+is set (float32 logits). :func:`hf_decoder` and :func:`hf_forward` are the
+package's one way into a Hugging Face module: the adapter and the
 full-sequence read-outs (:class:`~ppo_objectives.readouts.CausalLMCritic`,
 :class:`~ppo_objectives.readouts.CausalLMTokenLogProbs`) all call them.
 
@@ -28,7 +29,8 @@ Shape letters:
 - ``B``: batch rows; ``T``: tokens fed to one forward call; ``S``: the
   KV-cache length (an env's token buffer).
 - ``V``: vocabulary size; ``C``: embedding width; ``L``: layers;
-  ``H``: heads; ``D = C / H``: head width.
+  ``H``: heads; ``D = C / H``: head width; ``H_kv``: key/value heads of a
+  Hugging Face model (``H_kv < H`` under grouped-query attention).
 
 Example:
     >>> import torch
