@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU check: the CUDA-marked tests and both benchmarks on a CUDA machine, in under 8 minutes.
+# GPU check: the CUDA-marked tests and the benchmarks' CUDA paths on a CUDA machine, in under 8 minutes
+# (GAE kernels, log-probs incl. the hidden-state read-out at V = 151936 in bf16, Hugging Face rollouts).
 #
 #   bash benchmarks/gpu_check.sh            # results in ./gpu_results (or in $OUT when set)
 #
-# Run from the repository root. Python packages the machine lacks (torchrl, tensordict and
-# their small dependencies) are installed from wheels in .whl/ when that folder exists (see
+# Run from the repository root. Python packages the machine lacks (torchrl, tensordict,
+# transformers and their small dependencies) are installed from wheels in .whl/ when that folder exists (see
 # benchmarks/README.md for how to fetch them); the project itself is used in place through
 # PYTHONPATH, so nothing needs network access. Each step has its own time limit; the script
 # goes on after a failed step and exits non-zero if any step failed.
@@ -37,17 +38,28 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-step environment 40 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())'; \
     $PY -c 'import triton; print(\"triton\", triton.__version__)'; \
+    $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; \
     $PY -c 'import torchrl, tensordict, ppo_objectives; print(\"torchrl\", torchrl.__version__, \"tensordict\", tensordict.__version__); \
 from ppo_objectives import _gae_fast; print(\"masked_gae auto backend on cuda:\", _gae_fast.select_backend(\"cuda\", \"auto\"))'"
 
-step pytest_cuda 160 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
+# CUDA-marked tests: the GAE kernels, every device-parametrised test on cuda (tests/test_device_paths.py:
+# hidden-state log-probs in float32 / bf16, the HF KV cache, the job on a checkpoint in bf16)
+step pytest_cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
 
-step bench_gae_cuda 150 "$PY" benchmarks/bench_gae.py --device cuda
+step bench_gae_cuda 90 "$PY" benchmarks/bench_gae.py --device cuda
 
+# both sections: log-probs on given bf16 logits (V up to 151936) and the read-out from hidden states
 step bench_logprobs_cuda 110 "$PY" benchmarks/bench_logprobs.py --device cuda
+
+if "$PY" -c "import transformers" 2>/dev/null; then
+    step bench_rollout_cuda 90 "$PY" benchmarks/bench_rollout.py --device cuda --model llama --repeats 3
+else
+    echo "=== bench_rollout_cuda: skipped, transformers is not importable (see benchmarks/README.md)" | tee -a "$LOG"
+    status=1
+fi
 
 echo "=== gpu_check done, status $status; results in $RESULTS" | tee -a "$LOG"
 exit "$status"
