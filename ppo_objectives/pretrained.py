@@ -26,8 +26,9 @@ policy cannot sample a token the env does not know, and the KL to the
 reference, the entropy and the PPO ratio are all over that distribution.
 
 :func:`write_tiny_checkpoint` writes such a directory from a config (Llama or
-Qwen2, randomly initialised, with a word-level tokenizer whose vocabulary is
-not the task's), so the whole offline flow can be run::
+Qwen2, randomly initialised, its LM head tied to the token embedding as
+``TinyCausalLM``'s is, with a word-level tokenizer whose vocabulary is not the
+task's), so the whole offline flow can be run::
 
     python -m ppo_objectives.pretrained --arch llama --out /tmp/tiny_llama
     python -m ppo_objectives.train --model /tmp/tiny_llama --out runs/llama
@@ -408,7 +409,7 @@ def _config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_h
 def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_size: int = 64, num_layers: int = 2,
                           num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
                           vocab_size: int | None = None, seed: int = 0, with_tokenizer: bool = True,
-                          tie_word_embeddings: bool = False) -> Path:
+                          tie_word_embeddings: bool = True) -> Path:
     """Write a randomly initialised Llama / Qwen2 causal LM (and its tokenizer) to ``out_dir``; returns it.
 
     The model is ``AutoModelForCausalLM.from_config(LlamaConfig | Qwen2Config(...))``, initialised
@@ -431,8 +432,15 @@ def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_siz
         vocab_size: ``V`` (default: the tokenizer's size rounded up to a multiple of 16, as real
             checkpoints pad their embeddings; ``2 * V_task`` without a tokenizer).
         seed: the initialisation's seed.
-        tie_word_embeddings: share the token embedding with the LM head (as ``TinyCausalLM``
-            does; Llama's default is untied).
+        tie_word_embeddings: share the token embedding with the LM head, as ``TinyCausalLM``
+            (the preset the job's recipe was tuned on) does; the default. ``False`` gives the
+            untied head of Llama's own default config. The training job learns the digit task far
+            slower from an untied tiny checkpoint (``reverse``, seed 0, default flags: last-10
+            reward 0.55 at iteration 300 untied, 0.78 tied; 0.54 / 0.86 with ``--lr 1e-3``): the
+            task is a copy of prompt digits, and with a tied head one shared "copy" direction
+            (attend to a digit, raise the logit of the same embedding) serves all ten digits,
+            while an untied head has to learn each digit's input-to-output map from the sparse
+            reward on its own. Supervised, both learn the task at the same speed.
 
     Example:
         >>> import os, tempfile
@@ -492,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer: train maps task token i to model token i")
-    p.add_argument("--tie-embeddings", action="store_true", help="share the token embedding with the LM head")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
+                   "untied head, Llama's own default, which the job learns the digit task far slower from)")
     a = p.parse_args(argv)
     path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
                                  num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
