@@ -78,6 +78,7 @@ __all__ = [
     "snapshot",
     "transformer_blocks",
     "truncate_metrics",
+    "untied_lm_head",
     "warn",
     "wrap_ddp",
 ]
@@ -153,19 +154,35 @@ def all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
     return x
 
 
+def untied_lm_head(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds an LM head with a parameter of its own (not tied to another parameter, such
+    as the input embedding): a critic trunk reads hidden states only, so such a head takes no gradient.
+
+    The heads are the ``lm_head`` submodules of ``model`` and of every module in it (``TinyCausalLM``,
+    a Hugging Face ``*ForCausalLM``, ``HFCausalLMAdapter``); a tied parameter is one that
+    ``model.named_parameters(remove_duplicate=False)`` yields more than once.
+    """
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    heads = {id(h): h for m in model.modules() if isinstance(h := getattr(m, "lm_head", None), torch.nn.Module)}
+    return any(uses.get(id(p)) == 1 for h in heads.values() for p in h.parameters())
+
+
 def wrap_ddp(ac: ActorCritic, d: Dist, device: torch.device) -> tuple[TensorDictModule, TensorDictModule, list]:
     """Actor and critic TensorDict modules whose networks are ``DistributedDataParallel``.
 
     The loss calls them (never ``.module``), so every backward all-reduces the gradients.
     Construction broadcasts rank 0's parameters, so every rank starts identical. The critic's
-    wrapper finds unused parameters: its trunk's LM head takes no gradient when it is not tied to
-    the input embeddings (a Hugging Face checkpoint's, under ``--model``).
+    wrapper finds unused parameters when its trunk's LM head is not tied to the input embeddings
+    (:func:`untied_lm_head`; e.g. an untied Hugging Face checkpoint under ``--model``): that head
+    takes no gradient. Otherwise every parameter is used and DDP skips that search.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kw = dict(device_ids=[device.index] if device.type == "cuda" else None)
-    # the critic reads hidden states: an LM head of its own (not tied to the embeddings) takes no gradient
-    actor_ddp, critic_ddp = DDP(ac.actor.module, **kw), DDP(ac.critic.module, find_unused_parameters=True, **kw)
+    actor_ddp = DDP(ac.actor.module, **kw)
+    critic_ddp = DDP(ac.critic.module, find_unused_parameters=untied_lm_head(ac.critic_model), **kw)
     actor = TensorDictModule(actor_ddp, in_keys=ac.actor.in_keys, out_keys=ac.actor.out_keys)
     critic = TensorDictModule(critic_ddp, in_keys=ac.critic.in_keys, out_keys=ac.critic.out_keys)
     return actor, critic, [actor_ddp, critic_ddp]

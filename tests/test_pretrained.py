@@ -400,3 +400,26 @@ def test_a_tiny_checkpoint_ties_its_embedding_by_default_and_the_cli_can_untie_i
     assert tied["cli_tied"].lm_head.weight is tied["cli_tied"].model.embed_tokens.weight
     assert not tied["cli_untied"].config.tie_word_embeddings
     assert tied["cli_untied"].lm_head.weight is not tied["cli_untied"].model.embed_tokens.weight
+
+
+def test_untied_lm_head_tells_which_critic_trunks_have_a_head_that_takes_no_gradient(ckpt, tmp_path):
+    from ppo_objectives._plumbing import untied_lm_head
+
+    tied = PT.write_tiny_checkpoint(tmp_path, "llama", task=TASK, **TINY)
+    assert not untied_lm_head(PT.load_policy_model(tied, TASK))
+    assert untied_lm_head(PT.load_policy_model(ckpt("llama"), TASK))  # the fixture's head is untied
+    config = TinyLMConfig.preset("pico", vocab_size=16, block_size=16)
+    assert not untied_lm_head(TinyCausalLM(config))
+    assert untied_lm_head(TinyCausalLM(TinyLMConfig(**{**config.__dict__, "tie_weights": False})))
+    assert not untied_lm_head(torch.nn.Linear(2, 2))  # no head at all
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_trains_an_untied_checkpoint(ckpt, tmp_path):
+    # the critic trunk's untied LM head takes no gradient: DDP must look for unused parameters (it stopped
+    # at the second backward without), and only there
+    from test_train_distributed import _torchrun
+
+    proc, _ = _torchrun(tmp_path / "run", 2, "--model", str(ckpt("llama")), "--no-plot")
+    assert "parameters identical on all 2 ranks" in proc.stderr
+    assert [r["iteration"] for r in T.read_metrics(tmp_path / "run" / "metrics.csv")] == [1.0, 2.0]
