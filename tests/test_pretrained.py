@@ -387,7 +387,7 @@ def test_a_tied_checkpoint_shares_its_embedding_with_the_head(tmp_path):
 
 
 def test_a_tiny_checkpoint_ties_its_embedding_by_default_and_the_cli_can_untie_it(tmp_path):
-    # Tied, as TinyCausalLM: the job learns the digit task far slower from an untied tiny checkpoint
+    # Tied, as TinyCausalLM: the job learned the digit task slower from an untied tiny checkpoint
     # (reverse, seed 0, 300 iterations: last-10 reward 0.55 untied, 0.78 tied; write_tiny_checkpoint)
     hf = PT.load_policy_model(PT.write_tiny_checkpoint(tmp_path / "api", "llama", **TINY), TASK).model.hf_model
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
