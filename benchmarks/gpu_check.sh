@@ -45,8 +45,9 @@ step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
     $PY -c 'import torchrl, tensordict, ppo_objectives; print(\"torchrl\", torchrl.__version__, \"tensordict\", tensordict.__version__); \
 from ppo_objectives import _gae_fast; print(\"masked_gae auto backend on cuda:\", _gae_fast.select_backend(\"cuda\", \"auto\"))'"
 
-# CUDA-marked tests: the GAE kernels, every device-parametrised test on cuda (tests/test_device_paths.py:
-# hidden-state log-probs in float32 / bf16, the HF KV cache, the job on a checkpoint in bf16)
+# CUDA-marked tests: the GAE kernels and every device-parametrised test on cuda, among them the hidden-state
+# log-probs in float32 / bf16 (test_logprobs_hidden.py), the HF KV cache (test_hf_cache.py) and the job on a
+# checkpoint in bf16 (test_device_paths.py)
 step pytest_cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
 
 step bench_gae_cuda 90 "$PY" benchmarks/bench_gae.py --device cuda

@@ -156,19 +156,20 @@ MODELS = [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "e
 
 
 @pytest.mark.parametrize("kind, attn", MODELS)
-def test_hf_cache_in_pieces_equals_the_full_forward_with_left_padding(kind, attn):
-    lm = _hf(kind, attn)
+def test_hf_cache_in_pieces_equals_the_full_forward_with_left_padding(kind, attn, device):
+    lm = _hf(kind, attn).to(device)
     assert lm.supports_kv_cache
-    ids, mask = _batch(B=3, T=10)
+    ids, mask = (x.to(device) for x in _batch(B=3, T=10))
     pos = position_ids_from_mask(mask)
     cache = lm.new_cache(3, 12)
+    assert cache.k.device.type == device.type
     H_kv = 4 if kind == "qwen2" else 2
     assert cache.k.shape == (2, 3, H_kv, 12, 8) and cache.v.shape == cache.k.shape
     with torch.no_grad():
         full = lm(ids, mask).logits
         pieces = [lm(ids[:, :6], mask[:, :6], position_ids=pos[:, :6], cache=cache, cache_slots=0).logits]
         for t in range(6, 10):  # one token at a time, through [B, T] slots
-            slots = torch.full((3, 1), t)
+            slots = torch.full((3, 1), t, device=device)
             pieces.append(lm(ids[:, t:t + 1], mask[:, t:t + 1], position_ids=pos[:, t:t + 1], cache=cache,
                              cache_slots=slots).logits)
     torch.testing.assert_close(torch.cat(pieces, 1)[mask], full[mask], atol=1e-5, rtol=1e-5)

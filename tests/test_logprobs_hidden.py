@@ -40,8 +40,8 @@ def naive(hidden, weight, bias, input_ids, prompt_lens, R, mask=None):
     if bias is not None:
         logits = logits + bias.double()
     logq = torch.log_softmax(logits, dim=-1)  # [B, T, V]
-    pos = prompt_lens[:, None] - 1 + torch.arange(R)
-    rows = logq[torch.arange(hidden.shape[0])[:, None], pos]  # [B, R, V]
+    pos = prompt_lens[:, None] - 1 + torch.arange(R, device=hidden.device)
+    rows = logq[torch.arange(hidden.shape[0], device=hidden.device)[:, None], pos]  # [B, R, V]
     logp = rows.gather(-1, input_ids.gather(1, pos + 1)[..., None]).squeeze(-1)
     entropy = -(rows.exp() * rows).sum(-1)
     if mask is not None:
@@ -49,13 +49,15 @@ def naive(hidden, weight, bias, input_ids, prompt_lens, R, mask=None):
     return logp, entropy
 
 
-def make(b=2, t=9, c=5, v=11, r=4, dtype=torch.float32, bias=True, seed=0):
+def make(b=2, t=9, c=5, v=11, r=4, dtype=torch.float32, bias=True, seed=0, device="cpu"):
+    """``(hidden, weight, bias | None, input_ids, prompt_lens)`` on ``device``, drawn on the CPU (the same on any device)."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, t, c, generator=gen, dtype=torch.float64).to(dtype)
-    weight = torch.randn(v, c, generator=gen, dtype=torch.float64).to(dtype)
-    b_ = torch.randn(v, generator=gen, dtype=torch.float64).to(dtype) if bias else None
-    ids = torch.randint(0, v, (b, t), generator=gen)
-    prompt_lens = torch.randint(1, t - r + 1, (b,), generator=gen)
+    to = dict(device=device, dtype=dtype)
+    hidden = torch.randn(b, t, c, generator=gen, dtype=torch.float64).to(**to)
+    weight = torch.randn(v, c, generator=gen, dtype=torch.float64).to(**to)
+    b_ = torch.randn(v, generator=gen, dtype=torch.float64).to(**to) if bias else None
+    ids = torch.randint(0, v, (b, t), generator=gen).to(device)
+    prompt_lens = torch.randint(1, t - r + 1, (b,), generator=gen).to(device)
     return hidden, weight, b_, ids, prompt_lens
 
 
@@ -64,7 +66,7 @@ def grads_of(fn, tensors, entropy_weight=0.3, seed=1):
     leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in tensors]
     logp, ent = fn(*leaves)
     gen = torch.Generator().manual_seed(seed)
-    cot = torch.randn(logp.shape, generator=gen, dtype=torch.float64)
+    cot = torch.randn(logp.shape, generator=gen, dtype=torch.float64).to(logp.device)
     loss = (cot.to(logp.dtype) * logp).sum()
     if ent is not None:
         loss = loss + entropy_weight * (cot.flip(-1).to(ent.dtype) * ent).sum()
@@ -109,9 +111,9 @@ SHAPES = [(1, 4, 3, 7, 3), (3, 9, 5, 33, 5), (2, 6, 8, 130, 4)]  # B, T, C, V, R
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 3, None, 10**6])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}C{}V{}R{}".format(*s))
-def test_values_and_gradients_match_the_naive_float64_path(shape, chunk_size, entropy, bias):
+def test_values_and_gradients_match_the_naive_float64_path(shape, chunk_size, entropy, bias, device):
     b, t, c, v, r = shape
-    hidden, weight, b_, ids, pl = make(b, t, c, v, r, bias=bias, seed=sum(shape))
+    hidden, weight, b_, ids, pl = make(b, t, c, v, r, bias=bias, seed=sum(shape), device=device)
     (got, g_got) = grads_of(ours(ids, pl, r, entropy=entropy, chunk_size=chunk_size), (hidden, weight, b_))
     (want, g_want) = grads_of(reference(ids, pl, r, entropy=entropy), (hidden, weight, b_))
     assert got[0].dtype == torch.float32 and got[0].shape == (b, r)
@@ -215,9 +217,9 @@ def test_tied_weights_get_the_naive_gradient():
     torch.testing.assert_close(got[1].double(), want[1].double(), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_inputs_match_the_float32_path_within_the_logit_rounding():
+def test_bf16_inputs_match_the_float32_path_within_the_logit_rounding(device):
     b, t, c, v, r = 3, 12, 16, 300, 8
-    hidden, weight, b_, ids, pl = make(b, t, c, v, r, dtype=torch.float64)
+    hidden, weight, b_, ids, pl = make(b, t, c, v, r, dtype=torch.float64, device=device)
     hidden, weight, b_ = hidden.bfloat16(), weight.bfloat16(), b_.bfloat16()
     got, g_got = grads_of(ours(ids, pl, r, chunk_size=5), (hidden, weight, b_))
     # the float32 path on the same (bf16-representable) inputs
