@@ -50,6 +50,7 @@ __all__ = [
     "kl_estimate",
     "kl_penalized_rewards",
     "last_valid_index",
+    "length_adaptive_lam",
     "loss_normalizer",
     "masked_gae",
     "masked_gae_reference",
@@ -620,7 +621,8 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
         for name, x in (("done", done), ("terminated", terminated))
     }
     _validate.check_unit_interval("gamma", gamma)
-    _validate.check_unit_interval("lam", lam)
+    if not _is_row_lam(lam):
+        _validate.check_unit_interval("lam", lam)
     _validate.check_same_device(
         token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value,
         done=done, terminated=terminated, next_values=next_values,
@@ -648,7 +650,9 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
     if isinstance(gamma, Tensor):
         gamma = gamma.to(cd).reshape(())
-    if isinstance(lam, Tensor):
+    if _is_row_lam(lam):
+        lam = _check_row_lam(lam, batch_shape).to(cd).reshape(-1)  # [N]: one lambda per row
+    elif isinstance(lam, Tensor):
         lam = lam.to(cd).reshape(())
     m = None if m is None else _rows(m)
     ends = end_values = None
@@ -681,6 +685,65 @@ def _segment_ends(m, shape, done, terminated, next_values, boot) -> tuple[Tensor
         row = zero.expand(shape) if boot is None else boot.unsqueeze(-1).expand(shape)
         end_values = torch.where(term, zero.to(row.dtype), row)
     return (ended if m is None else ended & m), end_values
+
+
+def _is_row_lam(lam) -> bool:
+    return isinstance(lam, Tensor) and lam.dim() > 0
+
+
+def _check_row_lam(lam: Tensor, batch_shape: torch.Size) -> Tensor:
+    """A per-row ``lam`` ``[*B]``: floating, one value per row, each in [0, 1] (one host read)."""
+    if not lam.is_floating_point() or lam.shape != batch_shape:
+        raise ValueError(
+            f"lam has shape {tuple(lam.shape)} and dtype {lam.dtype}; a per-row lambda must be a floating tensor of "
+            f"shape [*B] = {tuple(batch_shape)} (one value per row), or pass one float for every row"
+        )
+    if _validate.checking_values() and lam.numel():
+        lo, hi = torch.stack([lam.min(), lam.max()]).tolist()
+        if not (0.0 <= lo and hi <= 1.0):
+            raise ValueError(f"lam holds {lo if lo < 0 else hi}, outside [0, 1]: every row's GAE lambda must be in "
+                             f"[0, 1] (length_adaptive_lam clamps its values)")
+    return lam
+
+
+def _per_row_lam(kernel, r, v, m, gamma, lam: Tensor, boot, ends, end_values) -> Tensor:
+    """Raw advantages with one ``lam`` per row (``lam [N]``): the kernel once per distinct value, on its rows
+    (one host read of the distinct values)."""
+    adv = torch.zeros_like(r)
+    for value in torch.unique(lam).tolist():
+        rows = (lam == value).nonzero().squeeze(-1)
+        sub = lambda x: None if x is None else x[rows]  # noqa: E731
+        adv[rows] = kernel(r[rows], v[rows], sub(m), gamma, value, sub(boot), sub(ends), sub(end_values))
+    return adv
+
+
+def length_adaptive_lam(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda of each row, ``lam = 1 - 1 / (alpha * l)``, clamped to [0, 1].
+
+    Yue et al. 2025, "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning
+    Tasks" (arXiv:2504.05118): with ``l`` the row's number of valid tokens, the sum of the
+    lambda-weights ``1 / (1 - lam) = alpha * l`` grows with the response, so a long response's
+    advantage keeps the reward's signal over its whole length while a short one still has a
+    low-variance bootstrap from the critic. A row with no valid token gets 0.
+
+    Args:
+        mask: ``[*B, R]`` bool or {0, 1}, True = token takes part.
+        alpha: ``> 0`` (VAPO: 0.05 for responses of hundreds to thousands of tokens; a short
+            response needs a larger one).
+
+    Returns:
+        ``[*B]`` float32: pass it as ``lam=`` to :func:`masked_gae`.
+
+    Example:
+        >>> length_adaptive_lam(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]), alpha=0.5)
+        tensor([0.5000, 0.0000, 0.0000])
+    """
+    _validate.check_positive("alpha", alpha)
+    m = _validate.check_mask(mask, mask.shape if isinstance(mask, Tensor) else torch.Size(), "mask")
+    if m.dim() < 1:
+        raise ValueError("mask must have a time axis: shape [*B, R], got a scalar")
+    n = m.sum(-1).to(torch.float32)
+    return torch.where(n > 0, 1.0 - 1.0 / (alpha * n.clamp(min=1.0)), 0.0).clamp(0.0, 1.0)
 
 
 def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
@@ -822,7 +885,9 @@ def masked_gae(
             every step takes part (TorchRL collector rows without a mask; the
             same numbers as an all-True mask, without packing the rows).
         gamma: discount in [0, 1] (MiniMind: 1.0).
-        lam: GAE lambda in [0, 1] (MiniMind: 0.95).
+        lam: GAE lambda in [0, 1] (MiniMind: 0.95), or a ``[*B]`` tensor giving each row
+            its own (:func:`length_adaptive_lam`; the fast backends then run once per distinct
+            value, after one host read of the values).
         normalize: whiten the advantages (returns always use the raw ones).
         bootstrap_value: ``[*B]`` value after the last valid token of each
             row (0 for rows that terminated); ``None`` means all terminated.
@@ -874,7 +939,12 @@ def masked_gae(
         kernel = _gae_loop
     else:
         kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
-    adv = torch.zeros_like(r) if r.numel() == 0 else kernel(r, v, m, gamma_, lam_, boot, ends, end_values)
+    if r.numel() == 0:
+        adv = torch.zeros_like(r)
+    elif _is_row_lam(lam_) and chosen != "loop":  # the fast kernels take one lambda: group the rows by theirs
+        adv = _per_row_lam(kernel, r, v, m, gamma_, lam_, boot, ends, end_values)
+    else:
+        adv = kernel(r, v, m, gamma_, lam_, boot, ends, end_values)
     return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
 
 
@@ -1410,6 +1480,7 @@ def kl_estimate(
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
     if clamp is not None:
         clamp = _validate.check_positive("clamp", clamp)
+    _check_log_probs(tensors)
     cd = _validate.compute_dtype(*tensors.values())
     lp = logps.to(cd)
     kl = _kl_values(lp, ref_logps.to(cd), estimator, clamp)
@@ -1421,6 +1492,22 @@ def kl_estimate(
         coef = (lp - ref_logps.to(cd)).detach() * (1.0 if weight is None else weight.detach())
         kl = kl.detach() + (lp - lp.detach()) * coef
     return kl
+
+
+def _check_log_probs(tensors: dict[str, Tensor]) -> None:
+    """Log-probabilities are <= 0: a positive value (beyond rounding) means probabilities or logits were passed
+    (one host read; skipped under ``value_checks(False)``). Positions a caller masks may hold garbage; they are
+    checked too only when finite, so NaN padding passes."""
+    if not _validate.checking_values():
+        return
+    for name, x in tensors.items():
+        if x.numel() and x.is_floating_point():
+            top = float(torch.where(torch.isfinite(x), x.detach(), -1.0).max())
+            if top > 1e-3:
+                raise ValueError(
+                    f"kl_estimate: {name} holds {top:.4g} > 0, but log-probabilities are <= 0: pass log-probs "
+                    f"(torch.log(p), or log_softmax(logits).gather(...)), not probabilities or logits"
+                )
 
 
 def _kl_values(logps: Tensor, ref_logps: Tensor, estimator: str, clamp: float | None) -> Tensor:

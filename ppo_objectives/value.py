@@ -116,9 +116,18 @@ class MaskedGAE(ValueEstimatorBase):
     advantage is whitened over the valid steps of the whole batch when
     ``average_gae=True``.
 
+    **Decoupled and length-adaptive lambda** (VAPO, Yue et al. 2025, arXiv:2504.05118). By
+    default one lambda makes both outputs. ``policy_lmbda`` gives the advantage its own
+    lambda while ``value_target`` keeps ``lmbda`` (VAPO trains the critic on ``lmbda = 1``,
+    unbiased Monte-Carlo targets, and the policy on a smaller one); ``length_alpha`` makes the
+    advantage's lambda per row, ``1 - 1 / (length_alpha * l)`` for a row of ``l`` valid steps
+    (:func:`~ppo_objectives.functional.length_adaptive_lam`). Either one runs GAE twice (the
+    target with ``lmbda``, the advantage with the policy's lambda); the response form only.
+
     Args:
         gamma: discount in [0, 1] (token-level PPO for LLMs: 1.0).
-        lmbda: GAE lambda in [0, 1] (MiniMind: 0.95).
+        lmbda: GAE lambda in [0, 1] (MiniMind: 0.95); the value target's, and the advantage's
+            unless ``policy_lmbda`` or ``length_alpha`` is given.
         value_network: optional module writing ``state_value``; only called when
             the value entry is missing (and on ``"next"`` when bootstrap values
             are needed but missing). ``None`` is the usual case for a
@@ -128,6 +137,9 @@ class MaskedGAE(ValueEstimatorBase):
     :meth:`forward`) are used only when the value network has to run.
 
     Keyword Args:
+        policy_lmbda: the advantage's lambda in [0, 1] (decoupled GAE); ``None``: ``lmbda``.
+        length_alpha: ``> 0``: the advantage's lambda per row from its length (length-adaptive
+            GAE); exclusive with ``policy_lmbda``.
         average_gae: whiten the advantages over the valid steps (MiniMind: True).
             Default ``False`` as in TorchRL.
         differentiable: keep the autograd graph (default ``False``: computed
@@ -233,6 +245,8 @@ class MaskedGAE(ValueEstimatorBase):
         lmbda: float | Tensor,
         value_network: TensorDictModule | None = None,
         *,
+        policy_lmbda: float | None = None,
+        length_alpha: float | None = None,
         average_gae: bool = False,
         differentiable: bool = False,
         skip_existing: bool | None = None,
@@ -246,6 +260,16 @@ class MaskedGAE(ValueEstimatorBase):
             _validate.check_unit_interval(name, x)
             # float64, cast to the data's compute dtype at use: float64 batches get the exact hyper-parameter
             self.register_buffer(name, torch.as_tensor(x, dtype=torch.float64, device=self._device).clone())
+        if policy_lmbda is not None and length_alpha is not None:
+            raise ValueError(
+                f"MaskedGAE: policy_lmbda={policy_lmbda} and length_alpha={length_alpha} both set the advantage's "
+                f"lambda (a fixed one, and one per row from its length); give one of them"
+            )
+        if policy_lmbda is not None:
+            _validate.check_unit_interval("policy_lmbda", policy_lmbda)
+        if length_alpha is not None:
+            _validate.check_positive("length_alpha", length_alpha)
+        self.policy_lmbda, self.length_alpha = policy_lmbda, length_alpha
         self.average_gae = bool(average_gae)
         self.process_group = process_group
 
@@ -356,14 +380,32 @@ class MaskedGAE(ValueEstimatorBase):
         ends = {}
         if done is not None or terminated is not None or truncated is not None:
             ends = self._collector_ends(tensordict, next_params, shape, done, terminated, truncated)
-        adv, target = F.masked_gae(
-            r, v, m, self.gamma, self.lmbda, normalize=self.average_gae, process_group=self.process_group, **ends
-        )
+        adv, target = self._gae(r, v, m, ends)
         if _validate.checking_values() and adv.numel():
             if not bool((torch.isfinite(adv).all() & torch.isfinite(target).all())):
                 self._raise_non_finite(r, v, m, ends.get("next_values"), shape, ref)
         if trailing_one:
             adv, target = adv.unsqueeze(-1), target.unsqueeze(-1)
+        return adv, target
+
+    def _gae(self, r: Tensor, v: Tensor, m: Tensor | None, ends: dict) -> tuple[Tensor, Tensor]:
+        """``(advantage, value_target)``: one GAE with ``lmbda``, or the target with ``lmbda`` and the advantage with
+        the policy's lambda (``policy_lmbda``, or per row from ``length_alpha``)."""
+        kw = dict(process_group=self.process_group, **ends)
+        if self.policy_lmbda is None and self.length_alpha is None:
+            return F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae, **kw)
+        if ends:
+            raise ValueError(
+                "MaskedGAE: policy_lmbda / length_alpha take the response form (one response per row, no done "
+                "flags); this batch has done flags (the collector form): drop them or the decoupled lambda"
+            )
+        _, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=False, **kw)
+        if self.length_alpha is not None:
+            mask = m if m is not None else torch.ones(r.shape, dtype=torch.bool, device=r.device)
+            lam = F.length_adaptive_lam(mask, self.length_alpha).to(r.dtype if r.is_floating_point() else None)
+        else:
+            lam = self.policy_lmbda
+        adv, _ = F.masked_gae(r, v, m, self.gamma, lam, normalize=self.average_gae, **kw)
         return adv, target
 
     def _raise_non_finite(self, r: Tensor, v: Tensor, m: Tensor | None, nv: Tensor | None, shape, ref) -> None:
