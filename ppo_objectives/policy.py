@@ -66,17 +66,21 @@ def sample_with_kv_cache(
     eos_id: int,
     pad_id: int = 0,
     generator: torch.Generator | None = None,
+    greedy: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample ``max_new_tokens`` tokens per row with the model's own KV cache.
 
     The loop MiniMind-style trainers run: one prefill over the left-padded
     prompts, then one cached step per token; rows that emitted EOS keep
-    stepping but their later tokens are padding (mask False).
+    stepping but their later tokens are padding (mask False). Only the last
+    position's logits are computed at each step (the LM head is applied to one
+    hidden state per row), so a large vocabulary costs ``[B, V]`` per step.
 
     Args:
         model: a :class:`~ppo_objectives.models.TinyCausalLM` (or anything with its cache interface).
         prompt_ids / prompt_mask: ``[B, P]`` left-padded prompts and their mask.
         max_new_tokens: ``R``.
+        greedy: take the most likely token instead of sampling (greedy decoding).
 
     Returns:
         ``(response_ids [B, R], log_probs [B, R] float32, mask [B, R] bool)``;
@@ -86,21 +90,25 @@ def sample_with_kv_cache(
     device = prompt_ids.device
     cache = model.new_cache(B, P + max_new_tokens, device=device)
     pos = position_ids_from_mask(prompt_mask)
-    out = model(prompt_ids, prompt_mask, position_ids=pos, cache=cache, cache_slots=0)
-    logits = out.logits[:, -1]  # [B, V]
+    out = model(prompt_ids, prompt_mask, position_ids=pos, cache=cache, cache_slots=0, compute_logits=False)
+    logits = _head_logits(model, out.hidden[:, -1])  # [B, V]
     next_pos = pos[:, -1] + 1  # [B]
     alive = torch.ones(B, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
     for j in range(max_new_tokens):
         logp_all = torch.log_softmax(logits, dim=-1)
-        tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
+        if greedy:
+            tok = logp_all.argmax(-1)
+        else:
+            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
         tokens.append(torch.where(alive, tok, pad_id))
         logps.append(torch.where(alive, logp_all.gather(-1, tok[:, None]).squeeze(-1), 0.0))
         masks.append(alive)
         alive = alive & (tok != eos_id)
         if j + 1 < max_new_tokens:
-            out = model(tok[:, None], None, position_ids=next_pos[:, None], cache=cache, cache_slots=P + j)
-            logits = out.logits[:, -1]
+            out = model(tok[:, None], None, position_ids=next_pos[:, None], cache=cache, cache_slots=P + j,
+                        compute_logits=False)
+            logits = _head_logits(model, out.hidden[:, -1])
             next_pos = next_pos + 1
     return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
 
@@ -155,11 +163,20 @@ class NextTokenLogits(nn.Module):
     #: prefill + step path's (two forwards cost more per token on small batches).
     window_factor: float = 2.0
 
-    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True):
+    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True, value_head: nn.Module | None = None):
         super().__init__()
         self.model = model
+        self.value_head = value_head
         self.use_kv_cache = bool(use_kv_cache) and getattr(model, "supports_kv_cache", False)
         self.reset_cache()
+
+    def _outputs(self, hidden: Tensor):
+        """``logits [N, V]`` of the newest tokens' hidden states ``[N, C]``; with a value head also their
+        values ``[N]`` (float32): the value of the state each next token is sampled in."""
+        logits = _head_logits(self.model, hidden)
+        if self.value_head is None:
+            return logits
+        return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def reset_cache(self) -> None:
         """Forget the cache (it is rebuilt on the next call)."""
@@ -207,7 +224,10 @@ class NextTokenLogits(nn.Module):
         tokens, attention_mask, last = tokens.reshape(-1, S), attention_mask.reshape(-1, S), position.reshape(-1) - 1
         hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
         h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-        return _head_logits(self.model, h).reshape(*lead, -1)
+        if self.value_head is None:
+            return _head_logits(self.model, h).reshape(*lead, -1)
+        logits, value = self._outputs(h)
+        return logits.reshape(*lead, -1), value.reshape(lead)
 
     def _current_cache(self, tokens: Tensor) -> KVCache:
         """The module's cache for this buffer, rebuilt empty when the batch shape, the buffer length,
@@ -274,10 +294,11 @@ class NextTokenLogits(nn.Module):
                 position_ids=pos_ids.gather(1, slots),
                 cache=cache,
                 cache_slots=slots,
+                compute_logits=False,
             )
             self._cache_len = position.clone()
             self._cache_tokens = tokens.clone()
-            return out.logits[:, -1]
+            return self._outputs(out.hidden[:, -1])  # the head on the newest token only
         if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
             self._prefill(cache, tokens, attention_mask, pos_ids, stale, last)
         x = tokens.gather(1, last[:, None])  # [N, 1]
@@ -287,10 +308,11 @@ class NextTokenLogits(nn.Module):
             position_ids=pos_ids.gather(1, last[:, None]),
             cache=cache,
             cache_slots=last[:, None],
+            compute_logits=False,
         )
         self._cache_len = position.clone()
         self._cache_tokens = tokens.clone()
-        return out.logits[:, 0]
+        return self._outputs(out.hidden[:, 0])
 
 
 def make_actor(
@@ -302,11 +324,15 @@ def make_actor(
     position_key: str = "position",
     action_key: str = "action",
     log_prob_key: str = "sample_log_prob",
+    value_head: nn.Module | None = None,
+    value_key: str = "state_value",
 ) -> ProbabilisticTensorDictSequential:
     """The env policy: ``Categorical(logits=NextTokenLogits(model)(obs))``.
 
     Writes ``logits`` ``[N, V]``, ``action`` ``[N]`` (a token id) and
-    ``sample_log_prob`` ``[N]`` (float32). Under
+    ``sample_log_prob`` ``[N]`` (float32); with a ``value_head`` (a critic on the same
+    trunk) also ``value_key`` ``[N]``, the value of the state the token was sampled in,
+    from the same forward. Under
     ``set_exploration_type(ExplorationType.DETERMINISTIC)`` it picks the
     argmax token (greedy decoding); the default (collectors) samples.
 
@@ -327,9 +353,9 @@ def make_actor(
         torch.Size([1])
     """
     logits = TensorDictModule(
-        NextTokenLogits(model, use_kv_cache=use_kv_cache),
+        NextTokenLogits(model, use_kv_cache=use_kv_cache, value_head=value_head),
         in_keys=[tokens_key, attention_mask_key, position_key],
-        out_keys=["logits"],
+        out_keys=["logits"] if value_head is None else ["logits", value_key],
     )
     dist = ProbabilisticTensorDictModule(
         in_keys=["logits"],

@@ -61,6 +61,7 @@ __all__ = [
     "CausalLMTokenLogProbs",
     "ResponseLogProbs",
     "ResponseValues",
+    "SharedForward",
     "lm_head_parameters",
     "make_actor_critic",
     "read_log_probs",
@@ -114,8 +115,62 @@ def value_head(hidden_size: int, *, init: str = "zeros") -> nn.Linear:
 
 
 def read_values(head: nn.Module, hidden: Tensor) -> Tensor:
-    """Values ``[B, n]`` float32 of hidden states ``[B, n, H]``: ``head(hidden)`` without its feature dim."""
-    return head(hidden).squeeze(-1).float()
+    """Values ``[B, n]`` float32 of hidden states ``[B, n, H]``: ``head(hidden)`` without its feature dim
+    (hidden states made under autocast are cast to the head's dtype first)."""
+    return head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+
+
+class SharedForward:
+    """One trunk forward per batch for an actor and a critic that share the trunk.
+
+    :func:`make_actor_critic` with ``shared_trunk=True`` gives the actor's and the critic's
+    read-outs one ``SharedForward``. The first read-out of a batch runs the model and keeps its
+    output; the next call with the **same** ``input_ids`` and ``attention_mask`` tensors (the
+    same objects, unmodified), the same parameter versions and the same grad mode takes that
+    output instead of running the trunk again, and releases it. So
+    :class:`~ppo_objectives.loss.TokenPPOLoss` (actor, then critic, on one minibatch) runs the
+    trunk once, and its summed loss backpropagates through it once, with the gradients of two
+    forwards. A backward pass through the kept output releases it too (its graph is gone), and
+    any other call runs the model (and replaces what was kept).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._kept: tuple | None = None
+
+    def _key(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple:
+        versions = sum(p._version for p in self.model.parameters())
+        mask_version = None if attention_mask is None else attention_mask._version
+        return (input_ids._version, mask_version, versions, torch.is_grad_enabled(),
+                getattr(self.model, "autocast_dtype", None))
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            ids, mask, key, out = kept
+            if (ids is input_ids and mask is attention_mask and key == self._key(input_ids, attention_mask)
+                    and (out.logits is not None or not compute_logits)):
+                return out
+        out = self.model(input_ids, attention_mask, compute_logits=compute_logits)
+        kept = (input_ids, attention_mask, self._key(input_ids, attention_mask), out)
+        if out.hidden.requires_grad:  # a backward through it frees its graph: it can no longer be shared
+            out.hidden.register_hook(lambda grad, kept=kept: self._release(kept))
+        self._kept = kept
+        return out
+
+    def _release(self, kept: tuple) -> None:
+        if self._kept is kept:
+            self._kept = None
+
+
+def _trunk(readout: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
+    """The read-out's model output: through its :class:`SharedForward` when it has one."""
+    shared = getattr(readout, "shared_forward", None)
+    if shared is not None and shared.model is readout.model:
+        return shared(input_ids, attention_mask, compute_logits=compute_logits)
+    if compute_logits:  # the plain call: any model with the LM interface
+        return readout.model(input_ids, attention_mask)
+    return readout.model(input_ids, attention_mask, compute_logits=False)
 
 
 def read_log_probs(
@@ -318,14 +373,14 @@ class ResponseLogProbs(nn.Module):
             )
         if head is not None:
             return self._from_hidden(head, input_ids, attention_mask, starts, R)
-        logits = self.model(input_ids, attention_mask).logits
+        logits = _trunk(self, input_ids, attention_mask, compute_logits=True).logits
         with value_checks(False):  # the positions are in range by construction
             return read_log_probs(
                 logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
             )
 
     def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
-        hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
         autocast_dtype = getattr(self.model, "autocast_dtype", None)
         if autocast_dtype is not None and hidden.dtype != autocast_dtype:
             hidden = hidden.to(autocast_dtype)  # the head's precision under the model's autocast
@@ -359,7 +414,7 @@ class ResponseValues(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         _response_len(input_ids, self.prompt_len, "value", "ResponseValues")
         T = input_ids.shape[1]
-        hidden = self.model(input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
         return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
 
 
@@ -426,6 +481,9 @@ def make_actor_critic(
         prompt_len: ``P``, the prompt width of the env (left-padded prompts).
         shared_trunk: the critic's value head sits on the actor's trunk (one set of
             weights) instead of on its own copy (MiniMind's separate critic, the default).
+            The read-outs then share one trunk forward per batch (:class:`SharedForward`),
+            and the env policy writes the value of each state it samples from
+            (``value_key``, per step), so the rollout's ``V_old`` needs no forward of its own.
         critic_model: an explicit critic trunk (overrides ``shared_trunk``).
         entropy_grad: let gradients flow through the actor's entropy (needed for an
             entropy bonus; ``False`` makes it a cheaper logged diagnostic).
@@ -460,13 +518,15 @@ def make_actor_critic(
         model = TinyCausalLM(model)
     if critic_model is None:
         critic_model = model if shared_trunk else copy.deepcopy(model)
-    policy = make_actor(model, use_kv_cache=use_kv_cache)
-    actor = TensorDictModule(
-        ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad, from_hidden=from_hidden),
-        in_keys=["input_ids", "attention_mask"],
-        out_keys=[log_prob_key, entropy_key],
-    )
+    log_probs = ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad,
+                                 from_hidden=from_hidden)
     values = ResponseValues(critic_model, prompt_len)
+    shared = critic_model is model
+    if shared:  # one trunk forward serves both read-outs of a batch; the env policy writes V_old too
+        log_probs.shared_forward = values.shared_forward = SharedForward(model)
+    policy = make_actor(model, use_kv_cache=use_kv_cache, value_head=values.value_head if shared else None,
+                        value_key=value_key)
+    actor = TensorDictModule(log_probs, in_keys=["input_ids", "attention_mask"], out_keys=[log_prob_key, entropy_key])
     critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
     return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
 
