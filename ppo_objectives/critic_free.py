@@ -27,6 +27,7 @@ loss runs without a critic, ``TokenPPOLoss(actor, None)``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -293,7 +294,15 @@ def reinforce_plus_plus_advantages(
 
 class _CriticFree(ValueEstimatorBase):
     """What the critic-free estimators share: they write ``advantage`` and its copy
-    ``value_target`` (there is no critic), computed by ``_estimate`` without gradient."""
+    ``value_target`` (there is no critic), computed by ``_estimate`` without gradient.
+
+    ``critic_free = True`` tells a loss that its critic would be regressed onto advantages
+    (:meth:`~ppo_objectives.loss.TokenPPOLoss.make_value_estimator` refuses that), and
+    ``loss_agg_mode`` is the aggregation the method's objective is defined with (``None``: any).
+    """
+
+    critic_free = True
+    loss_agg_mode: str | None = None
 
     @property
     def out_keys(self):
@@ -397,6 +406,8 @@ class GroupAdvantage(_CriticFree):
         super().__init__(value_network=None, device=device)
         self.kind = kind
         self.eps = float(eps)
+        # Dr. GRPO's unbiased objective: token losses summed, divided by a constant (Liu et al. 2025)
+        self.loss_agg_mode = "token-sum-norm" if kind == "dr_grpo" else None
 
     @property
     def in_keys(self):
@@ -409,10 +420,26 @@ class GroupAdvantage(_CriticFree):
             td, keys.group, module=name, what="the group ids [*B]", fix="store one int64 id per prompt"
         )
         mask = TD.require(td, keys.mask, module=name, what="the response mask [*B, R]")
+        self._warn_if_all_singletons(group)
         with torch.no_grad():
             if self.kind == "rloo":
                 return rloo_advantages(score, group, mask)
             return grpo_advantages(score, group, mask, scale="std" if self.kind == "grpo" else None, eps=self.eps)
+
+    def _warn_if_all_singletons(self, group: Tensor) -> None:
+        """Once per estimator: every group of the batch has one response, so every advantage is 0."""
+        if getattr(self, "_warned_singletons", False) or not _validate.checking_values() or group.numel() < 2:
+            return
+        if int(torch.unique(group.reshape(-1)).numel()) == group.numel():
+            self._warned_singletons = True
+            warnings.warn(
+                f"GroupAdvantage({self.kind!r}): every group in this batch of {group.numel()} responses has one "
+                f"response, so every advantage is 0 and the policy will not learn; sample several responses per "
+                f"prompt with the same group id (TokenLMEnv(group_size=G) writes 'group'; python -m "
+                f"ppo_objectives.train --group-size G)",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, eps={self.eps}"

@@ -27,6 +27,10 @@ key                    shape, dtype      meaning
 ``tokens``             ``[N, S]`` int64  prompt (columns ``< P``) then generated tokens
 ``attention_mask``     ``[N, S]`` bool   True = real token (prompt or generated)
 ``position``           ``[N]`` int64     column the next token goes to (``P + step``)
+``prompt_id``          ``[N]`` int64     the row's prompt: its index in a finite source, the
+                                         id a sampler returns with it, else its draw number
+``group``              ``[N]`` int64     the row's group: the rows that drew one prompt together
+                                         (``group_size`` of them at a full reset) share it
 ``action``             ``[N]`` int64     the next token id (integer dtype)
 ``("next","reward")``  ``[N, 1]`` f32    sequence score on the last token (+ shaping)
 ``("next","done")``    ``[N, 1]`` bool   ``terminated | truncated``
@@ -50,6 +54,7 @@ Example (the reverse task, a scripted policy that answers correctly):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -133,6 +138,16 @@ class DigitTask:
     @property
     def vocab_size(self) -> int:
         return len(self.VOCAB)
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-answer token ``.`` (:attr:`EOS`), as the env's task protocol names it."""
+        return self.EOS
+
+    @property
+    def pad_id(self) -> int:
+        """The padding token ``_`` (:attr:`PAD`)."""
+        return self.PAD
 
     @property
     def prompt_len(self) -> int:
@@ -222,11 +237,13 @@ class DigitTask:
 
 
 class _PromptStream:
-    """Draws prompts from a callable sampler, a tensor / list (cycled), or any iterable."""
+    """Draws prompts from a callable sampler, a tensor / list (cycled), or any iterable, each with its
+    prompt id: the index in a finite source, the ``prompt_id`` a sampler returns, else the draw number."""
 
     def __init__(self, source: Any, pad_id: int):
         self.pad_id = pad_id
-        self._pending: list[Tensor] = []
+        self._draws = 0  # prompts drawn so far (the id of a prompt that has no other)
+        self._pending: list[tuple[Tensor, int]] = []
         self._iter = None
         if callable(source) and not isinstance(source, (Tensor, list, tuple)) and not hasattr(source, "__iter__"):
             self.kind = "sampler"
@@ -260,27 +277,25 @@ class _PromptStream:
             return [r[r.ne(self.pad_id).long().cummax(0).values.bool()] for r in t]
         raise ValueError(f"a prompt must be 1-D (or a 2-D batch), got shape {tuple(t.shape)}")
 
-    def take(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor]:
-        """``k`` prompts left-padded to ``width``: ``(ids [k, width], mask [k, width])`` on the CPU."""
+    def _draw_ids(self, k: int) -> Tensor:
+        ids = torch.arange(self._draws, self._draws + k)
+        self._draws += k
+        return ids
+
+    def take(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``k`` prompts left-padded to ``width``: ``(ids [k, width], mask [k, width], prompt_id [k])`` on the CPU."""
         if self.kind == "sampler":
-            out = self.source(k, generator)
-            if isinstance(out, Tensor) and out.dim() == 2:  # fast path: already a left-padded batch
-                if out.shape[0] != k:
-                    raise ValueError(f"the prompt sampler returned {out.shape[0]} prompts for k={k}")
-                return self._pad_batch(out.long(), width)
-            rows = self._rows(out) if isinstance(out, Tensor) else [torch.as_tensor(r, dtype=torch.long) for r in out]
-            if len(rows) != k:
-                raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
-            return self._pad_rows(rows, width)
-        out: list[Tensor] = []
+            return self._take_sampled(k, generator, width)
+        out: list[tuple[Tensor, int]] = []
         while len(out) < k:
             if self._pending:
                 out.append(self._pending.pop(0))
                 continue
             if self.kind == "finite":
                 item = self.source[self._cursor % len(self.source)]
+                index = self._cursor % len(self.source)
                 self._cursor += 1
-                self._pending.extend(self._rows(item))
+                self._pending.extend((row, index) for row in self._rows(item))
             else:
                 if self._iter is None:
                     self._iter = iter(self.source)
@@ -296,8 +311,32 @@ class _PromptStream:
                         item = next(self._iter)
                     except StopIteration:
                         raise ValueError("the prompt iterable yielded nothing; give a non-empty source") from None
-                self._pending.extend(self._rows(item))
-        return self._pad_rows(out, width)
+                rows = self._rows(item)
+                self._pending.extend(zip(rows, self._draw_ids(len(rows)).tolist()))
+        ids, mask = self._pad_rows([row for row, _ in out], width)
+        return ids, mask, torch.tensor([i for _, i in out], dtype=torch.long)
+
+    def _take_sampled(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.source(k, generator)
+        prompt_id = None
+        if isinstance(out, dict) and "prompt_id" in out:
+            prompt_id = torch.as_tensor(out["prompt_id"], dtype=torch.long).reshape(-1)
+            if prompt_id.shape != (k,):
+                raise ValueError(f"the prompt sampler returned prompt_id of shape {tuple(prompt_id.shape)} for "
+                                 f"k={k}; return one id per prompt, shape ({k},)")
+        if isinstance(out, Tensor) and out.dim() == 2:  # fast path: already a left-padded batch
+            if out.shape[0] != k:
+                raise ValueError(f"the prompt sampler returned {out.shape[0]} prompts for k={k}")
+            ids, mask = self._pad_batch(out.long(), width)
+        else:
+            if isinstance(out, (Tensor, dict)):
+                rows = self._rows(out)
+            else:
+                rows = [torch.as_tensor(r, dtype=torch.long) for r in out]
+            if len(rows) != k:
+                raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
+            ids, mask = self._pad_rows(rows, width)
+        return ids, mask, self._draw_ids(k) if prompt_id is None else prompt_id
 
     def _pad_batch(self, ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
         mask = ids.ne(self.pad_id).long().cummax(1).values.bool()  # real from the first non-pad token on
@@ -340,6 +379,16 @@ class _PromptStream:
 # --------------------------------------------------------------------------- #
 
 
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` that can be passed by keyword (``**kwargs`` does not count)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature (a builtin): the plain call
+        return False
+    p = params.get(name)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
 class TokenLMEnv(EnvBase):
     """Batched token-by-token generation as a TorchRL environment.
 
@@ -352,7 +401,10 @@ class TokenLMEnv(EnvBase):
         reward_fn: ``(prompt_ids [k, P], prompt_mask [k, P], response_ids [k, M],
             response_mask [k, M]) -> [k]`` score of each **finished** response (only
             finished rows are passed), placed on its last token. Exactly ``[k]``: any
-            other shape (``[k, 1]``, a scalar) is an error.
+            other shape (``[k, 1]``, a scalar) is an error. A ``reward_fn`` with a
+            ``prompt_id`` parameter also gets the rows' prompt ids ``[k]`` as
+            ``prompt_id=`` (how :class:`~ppo_objectives.text_tasks.TextTask` finds each
+            prompt's reward fields).
         num_envs: ``N``, the batch of rows.
         prompt_len: ``P``; longer prompts raise.
         max_new_tokens: ``M``; a row that reaches it without EOS is ``truncated``.
@@ -363,10 +415,20 @@ class TokenLMEnv(EnvBase):
             response index of the token just generated).
         device: where the env's tensors live.
         seed: seed of the prompt generator (:meth:`set_seed`).
+        group_size: ``G``, responses sampled per prompt (GRPO, RLOO): a full reset draws
+            ``N / G`` prompts and gives each to ``G`` consecutive rows, which share a ``group``
+            id (``N`` must be a multiple of ``G``). A row that finishes and restarts inside a
+            batch draws a prompt of its own, in a group of one (the group estimators give such a
+            response advantage 0); with ``reset_at_each_iter=True`` every batch starts with full
+            groups. ``G = 1``: every draw is its own group.
 
     Prompts are left-padded to width ``P`` so every response starts at column
     ``P``. ``reset`` draws a fresh prompt for each row being reset (only those:
-    ``_reset`` partial resets draw ``k`` prompts for ``k`` rows).
+    ``_reset`` partial resets draw ``k`` prompts for ``k`` rows). Each row carries its
+    prompt's ``prompt_id`` (the index of the prompt in a finite source, the
+    ``prompt_id`` entry a sampler returns in a dict with ``input_ids`` /
+    ``attention_mask``, else the draw number), which
+    :func:`~ppo_objectives.layouts.trajectories_to_llm_batch` keeps per response.
 
     Example:
         >>> from torchrl.envs.utils import check_env_specs
@@ -390,9 +452,11 @@ class TokenLMEnv(EnvBase):
         token_reward_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
         device: torch.device | str | None = None,
         seed: int | None = None,
+        group_size: int = 1,
     ):
         for name, value, low in (
             ("num_envs", num_envs, 1),
+            ("group_size", group_size, 1),
             ("prompt_len", prompt_len, 1),
             ("max_new_tokens", max_new_tokens, 1),
             ("vocab_size", vocab_size, 2),
@@ -406,24 +470,39 @@ class TokenLMEnv(EnvBase):
         super().__init__(device=device, batch_size=torch.Size([num_envs]))
         self.prompt_len, self.max_new_tokens, self.vocab_size = prompt_len, max_new_tokens, vocab_size
         self.eos_id, self.pad_id = eos_id, pad_id
+        if num_envs % group_size:
+            raise ValueError(
+                f"TokenLMEnv num_envs={num_envs} is not a multiple of group_size={group_size}: a full reset gives each "
+                f"prompt to {group_size} rows; use num_envs={group_size * max(1, num_envs // group_size)}"
+            )
+        self.group_size = group_size
+        self._groups = 0  # groups drawn so far (the next group id)
         self.reward_fn, self.token_reward_fn = reward_fn, token_reward_fn
+        self._reward_takes_prompt_id = _takes_keyword(reward_fn, "prompt_id")
         self._prompts = _PromptStream(prompts, pad_id)
         self._generator = torch.Generator()
         self._make_specs()
         self.set_seed(0 if seed is None else seed)
 
     @classmethod
-    def from_task(cls, task: DigitTask, *, num_envs: int, max_new_tokens: int | None = None, **kwargs) -> "TokenLMEnv":
-        """An env for a :class:`DigitTask` (prompt width, vocab, EOS and reward from the task)."""
+    def from_task(cls, task, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
+                  **kwargs) -> "TokenLMEnv":
+        """An env for a task: a :class:`DigitTask` or a :class:`~ppo_objectives.text_tasks.TextTask`.
+
+        The task protocol: the task is the prompt sampler ``task(k, generator)`` and gives
+        ``reward``, ``prompt_len``, ``answer_len`` (the default ``max_new_tokens``),
+        ``vocab_size`` (``vocab_size=`` overrides it, e.g. with a model's embedding size when
+        it is larger than its tokenizer's), ``eos_id`` and ``pad_id``.
+        """
         return cls(
             task,
             task.reward,
             num_envs=num_envs,
             prompt_len=task.prompt_len,
             max_new_tokens=task.answer_len if max_new_tokens is None else max_new_tokens,
-            vocab_size=task.vocab_size,
-            eos_id=task.EOS,
-            pad_id=task.PAD,
+            vocab_size=task.vocab_size if vocab_size is None else vocab_size,
+            eos_id=task.eos_id,
+            pad_id=task.pad_id,
             **kwargs,
         )
 
@@ -438,6 +517,8 @@ class TokenLMEnv(EnvBase):
             tokens=Categorical(V, shape=(N, S), dtype=torch.long),
             attention_mask=Categorical(2, shape=(N, S), dtype=torch.bool),
             position=Bounded(low=P, high=S, shape=(N,), dtype=torch.long),
+            prompt_id=Unbounded(shape=(N,), dtype=torch.long),
+            group=Unbounded(shape=(N,), dtype=torch.long),
             shape=(N,),
         )
         self.action_spec = Categorical(V, shape=(N,), dtype=torch.long)
@@ -457,11 +538,19 @@ class TokenLMEnv(EnvBase):
         reset = tensordict.get("_reset", None) if tensordict is not None else None
         tokens = torch.full((N, S), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(N, S, dtype=torch.bool, device=self.device)
+        prompt_id = torch.full((N,), -1, dtype=torch.long, device=self.device)
+        group = torch.full((N,), -1, dtype=torch.long, device=self.device)
         if reset is None:
             rows = torch.arange(N, device=self.device)
         else:
             rows = reset.reshape(N).nonzero().squeeze(-1)
-        ids, pmask = self._prompts.take(rows.numel(), self._generator, P)
+        G = self.group_size if rows.numel() == N else 1  # a full reset: G rows per prompt; else one each
+        ids, pmask, ids_of_prompts = self._prompts.take(rows.numel() // G, self._generator, P)
+        if G > 1:
+            ids, pmask, ids_of_prompts = (x.repeat_interleave(G, 0) for x in (ids, pmask, ids_of_prompts))
+        n_groups = rows.numel() // G
+        group[rows] = (torch.arange(self._groups, self._groups + n_groups).repeat_interleave(G)).to(self.device)
+        self._groups += n_groups
         bad = pmask & ((ids < 0) | (ids >= self.vocab_size))
         if bool(bad.any()):
             i, j = (int(x) for x in bad.nonzero()[0])
@@ -471,11 +560,14 @@ class TokenLMEnv(EnvBase):
             )
         tokens[rows, :P] = ids.to(self.device)
         mask[rows, :P] = pmask.to(self.device)
+        prompt_id[rows] = ids_of_prompts.to(self.device)
         false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
         return TensorDict(
             tokens=tokens,
             attention_mask=mask,
             position=torch.full((N,), P, dtype=torch.long, device=self.device),
+            prompt_id=prompt_id,
+            group=group,
             done=false,
             terminated=false.clone(),
             truncated=false.clone(),
@@ -510,9 +602,11 @@ class TokenLMEnv(EnvBase):
                 f"action {int(action[i])} of row {i} is outside the vocabulary [0, {self.vocab_size}): an action "
                 f"is the next token id; check the policy's output size (V = {self.vocab_size})"
             )
+        prompt_id = tensordict.get("prompt_id").reshape(N)
         if any_done:  # score finished responses only
             rows = done.nonzero().squeeze(-1)
-            score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:])
+            extra = {"prompt_id": prompt_id[rows]} if self._reward_takes_prompt_id else {}
+            score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:], **extra)
             score = torch.as_tensor(score, dtype=torch.float32, device=self.device)
             if score.shape != rows.shape:
                 k = rows.numel()
@@ -528,6 +622,8 @@ class TokenLMEnv(EnvBase):
             tokens=tokens,
             attention_mask=mask,
             position=new_position,
+            prompt_id=prompt_id,
+            group=tensordict.get("group").reshape(N),
             reward=reward[:, None],
             done=done[:, None],
             terminated=terminated[:, None],

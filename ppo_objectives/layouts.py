@@ -48,6 +48,15 @@ key                              shape         dtype     meaning
 ``"truncated"``                  [B]           bool      it reached ``max_new_tokens`` without EOS
                                                          (both flags are per-row summaries, not
                                                          read by ``MaskedGAE``)
+``"prompt_id"``                  [B]           int64     the env's ``prompt_id`` of the response's
+                                                         prompt (when the env has one)
+``"group"``                      [B]           int64     the env's ``group`` id: the responses to
+                                                         one prompt drawn for ``group_size`` rows
+                                                         share it (``GroupAdvantage`` reads it)
+``"state_value"``                [B, R]        float32   (when the policy writes one per step: a
+                                                         critic on the actor's trunk) the value of
+                                                         the state each token was sampled in, 0
+                                                         off the mask
 ================================ ============= ========= ==========================================
 
 Written later by the training components (all ``[B, R]``, 0 off the mask
@@ -217,7 +226,8 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
         (behaviour log-probs, 0 at padding), ``token_reward [B, R]`` (the env's
         per-step rewards: the score on the last token plus any shaping),
         ``score [B]`` (the last step's reward), ``terminated [B]`` and
-        ``truncated [B]`` (bool). The module docstring states the layout in full.
+        ``truncated [B]`` (bool), and ``prompt_id [B]`` when the env writes one. The module
+        docstring states the layout in full.
 
     Example:
         >>> import torch
@@ -254,6 +264,7 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
                 f"observations under 'next' and a policy that writes 'action' and 'sample_log_prob'"
             )
     nxt = batch.get("next")
+    _check_prompt_and_budget(batch, P, M)
     done = nxt.get("done").reshape(batch.shape)  # [N, T]
     n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)
     length = nxt.get("position")[n_idx, t_idx] - P  # [B] tokens generated
@@ -270,7 +281,15 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
     input_ids = nxt.get("tokens")[n_idx, t_idx]  # [B, S]
     attention_mask = nxt.get("attention_mask")[n_idx, t_idx].bool()
     zero = torch.zeros((), device=done.device)
+    extra = {}
+    for key in ("prompt_id", "group"):  # the env's per-row ids, one per response
+        if ("next", key) in batch.keys(include_nested=True):
+            extra[key] = nxt.get(key).reshape(batch.shape)[n_idx, t_idx]
+    if "state_value" in batch.keys():  # a policy with a value head wrote V_old at each step
+        value = batch.get("state_value").reshape(batch.shape)[rows, steps].float()
+        extra["state_value"] = torch.where(in_resp, value, zero)
     return TensorDict(
+        **extra,
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_ids=input_ids[:, P:],
@@ -283,6 +302,26 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
         batch_size=[B],
         device=batch.device,
     )
+
+
+def _check_prompt_and_budget(batch: TensorDictBase, P: int, M: int) -> None:
+    """``P`` and ``M`` fit the batch: its token buffer is ``P + M`` wide, and no step's next token goes left of
+    column ``P`` (rows fresh from a reset start at ``P`` exactly). One host read."""
+    S = batch.get(("next", "tokens")).shape[-1]
+    fix = "pass the env's values, ToLLMBatch(env.prompt_len, env.max_new_tokens)"
+    if S != P + M:
+        raise ValueError(f"trajectories_to_llm_batch: the env's token buffer has S={S} columns, but prompt_len + "
+                         f"max_new_tokens = {P} + {M} = {P + M}; {fix}")
+    position = batch.get("position", None)
+    if position is None or not position.numel():
+        return
+    first = position.reshape(batch.shape)[:, 0]
+    lo, fresh = torch.stack([position.min(), (first == first[0]).all().long() * first[0]]).tolist()
+    if lo < P or (fresh and fresh != P):
+        raise ValueError(
+            f"trajectories_to_llm_batch: the responses of this batch start at column {fresh or lo}, but prompt_len is "
+            f"{P} (max_new_tokens {M}): were the two swapped? Every response would be dropped; {fix}"
+        )
 
 
 class ToLLMBatch:

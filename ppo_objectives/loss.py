@@ -465,6 +465,7 @@ class TokenPPOLoss(LossModule):
         estimator.
         """
         value_type = self.default_value_estimator if value_type is None else value_type
+        _check_critic_free(self, value_type)
         if value_type == ValueEstimators.GAE:
             dispatch_value_estimator(self, value_type, supported=(ValueEstimators.GAE,), **hyperparams)
         else:
@@ -507,6 +508,13 @@ class TokenPPOLoss(LossModule):
             nets["critic_network"] = self.critic_network
         _check_network_inputs(td, nets)
         if td.get(self.tensor_keys.advantage, None) is None:
+            if not self._has_critic and not getattr(self.value_estimator, "critic_free", False):
+                raise KeyError(
+                    f"TokenPPOLoss has no critic and the batch has no {self.tensor_keys.advantage!r}: a loss without a "
+                    f"critic cannot compute advantages with GAE; write them first with a critic-free estimator "
+                    f"(GroupAdvantage('grpo' | 'dr_grpo' | 'rloo') or ReinforcePlusPlus on the batch, or "
+                    f"loss.make_value_estimator(GroupAdvantage(...))), or give the loss a critic"
+                )
             _check_estimator_fits(self.value_estimator, td, self.tensor_keys)
             self.value_estimator(td)
         batch = self._read_batch(td)
@@ -539,7 +547,7 @@ class TokenPPOLoss(LossModule):
             old_logp=get(k.sample_log_prob, "sample_log_prob"),
             advantage=get(k.advantage, "advantage"),
             mask=TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device),
-            ref_logp=get(k.ref_log_prob, "reference log-probs", "needed because kl_coeff > 0", self._requires_ref),
+            ref_logp=get(k.ref_log_prob, "reference log-probs", _REF_FIX, self._requires_ref),
             returns=get(k.value_target, "value target", "run the value estimator (MaskedGAE) first") if critic else None,
             old_values=get(
                 k.value, "rollout values", "needed because clip_value is set", critic and self.clip_value is not None
@@ -616,11 +624,37 @@ class TokenPPOLoss(LossModule):
         out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
 
 
+_REF_FIX = (
+    "needed because kl_coeff > 0 (the in-loss KL to a reference policy): run KLPenaltyTransform(ref) on the batch "
+    "first, which writes it (ref = frozen_reference(actor_model, P), or any module writing the reference's "
+    "per-token log-probs), or build the loss with kl_coeff=0.0 to train without the in-loss KL"
+)
 _ROLLOUT_ARGS = ("rollout_correction", "rollout_threshold_high", "rollout_threshold_low")
 _ROLLOUT_FIX = (
     "needed because rollout_correction is set: store the per-token log-probs of the engine that sampled the "
     "tokens (e.g. vLLM's), rename the key with set_keys(rollout_log_prob=...), or set rollout_correction=None"
 )
+
+
+def _check_critic_free(loss: TokenPPOLoss, estimator) -> None:
+    """A critic-free estimator (``critic_free = True``) with a critic is an error; one whose method expects
+    another aggregation than the loss's is a warning naming it."""
+    if not getattr(estimator, "critic_free", False):
+        return
+    if loss._has_critic:
+        raise ValueError(
+            f"TokenPPOLoss: {type(estimator).__name__} has no critic (its value_target is the advantage), but this "
+            f"loss has a critic network: it would regress the critic onto advantages; build the loss without one, "
+            f"TokenPPOLoss(actor, None, ...)"
+        )
+    expected = getattr(estimator, "loss_agg_mode", None)
+    if expected is not None and expected != loss.loss_agg_mode:
+        warnings.warn(
+            f"TokenPPOLoss(loss_agg_mode={loss.loss_agg_mode!r}) with {estimator!r}: that method's objective is "
+            f"defined with loss_agg_mode={expected!r}; pass loss_agg_mode={expected!r} to the loss",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _set_rollout_correction(loss: TokenPPOLoss, mode: str | None, high: float, low: float | None) -> None:

@@ -419,6 +419,13 @@ class KLPenaltyTransform(Transform):
     def _penalize_batch(self, tensordict: TensorDictBase) -> TensorDictBase:
         if tensordict.get(self.tensor_keys.kl, None) is not None:
             return tensordict  # already penalised (collector postproc / extend): do not apply twice
+        if self.add_to_reward and tensordict.get("advantage", None) is not None:
+            raise ValueError(
+                "KLPenaltyTransform: the batch already holds 'advantage', so the advantages were computed from the "
+                "reward before this penalty: the penalty would change the reward and never reach them; run "
+                "KLPenaltyTransform before MaskedGAE (as the training job does), or pass add_to_reward=False to only "
+                "measure the KL"
+            )
         if isinstance(tensordict, LazyStackedTensorDict):  # ragged responses: one at a time
             kls, masks = zip(*(self._penalize_one(sub, self._log_prob(sub), 1) for sub in tensordict.tensordicts))
             self._record(list(kls), list(masks))
