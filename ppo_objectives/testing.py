@@ -23,6 +23,9 @@ enough to run in milliseconds.
   ``log_prob`` and ``entropy``) and critic (writes ``state_value``) as
   TensorDict modules that read either layout and train with
   :class:`~ppo_objectives.loss.TokenPPOLoss`.
+- **A tiny chat model**: :func:`tiny_chat_tokenizer` (a byte-level BPE tokenizer with a
+  chat template, trained in code) and :func:`tiny_chat_checkpoint` (a random Llama saved
+  with it), to test text tasks and rewards offline as a real instruct model is used.
 - **Assertions**: :func:`assert_mask_invariant` (garbage and NaN at masked
   positions of a module's per-token inputs change none of its valid outputs,
   and masked outputs stay 0) and :func:`assert_matches_reference` (a tolerance
@@ -59,6 +62,7 @@ from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "MASK_KINDS",
     "MaskInvariantReport",
     "TinyTokenCritic",
@@ -76,6 +80,8 @@ __all__ = [
     "reference_ppo_policy_loss",
     "response_batch",
     "tiny_actor_critic",
+    "tiny_chat_checkpoint",
+    "tiny_chat_tokenizer",
 ]
 
 #: The mask kinds of :func:`make_mask` and of every batch factory's ``mask=``.
@@ -1063,6 +1069,90 @@ def tiny_actor_critic(
 
 
 # --------------------------------------------------------------------------- #
+# A tiny chat model: a real BPE tokenizer and a random Llama, built in code
+# --------------------------------------------------------------------------- #
+
+#: The ChatML template of :func:`tiny_chat_tokenizer` (SmolLM2's and Qwen's format, without a default system turn).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chat_corpus() -> list[str]:
+    lines = []
+    for a in range(20):
+        for b in range(0, 20, 3):
+            lines += [f"What is {a} + {b}?", f"{a} + {b} = {a + b}", f"The answer is {a + b}."]
+    return lines + ["system", "user", "assistant", "Answer briefly.", "Which number is larger?"]
+
+
+def tiny_chat_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer with a chat template, trained in code (no download), deterministic.
+
+    ``tokenizers``' BPE trainer on a few hundred lines of arithmetic chat text, byte-level
+    pre-tokenizer and decoder (any string encodes and decodes back), the special tokens
+    ``<|pad|>`` (pad, id 0), ``<|im_start|>`` (1) and ``<|im_end|>`` (2, the EOS: the end of a
+    turn), wrapped in ``transformers.PreTrainedTokenizerFast`` with :data:`CHAT_TEMPLATE`. For
+    testing text tasks and rewards (:class:`~ppo_objectives.text_tasks.TextTask`) the way a real
+    instruct tokenizer is used. Needs ``tokenizers`` and ``transformers``.
+
+    Example:
+        >>> tok = tiny_chat_tokenizer()
+        >>> len(tok), tok.eos_token, tok.eos_token_id, tok.pad_token_id
+        (320, '<|im_end|>', 2, 0)
+        >>> text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
+        ...                                add_generation_prompt=True)
+        >>> text
+        '<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n'
+        >>> tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+        True
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator(_chat_corpus(), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<|pad|>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_chat_checkpoint(path, *, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
+                         vocab_multiple: int = 64):
+    """Write a randomly initialised Llama with :func:`tiny_chat_tokenizer` to ``path`` (``save_pretrained``).
+
+    The embedding has ``len(tokenizer)`` rounded up to a multiple of ``vocab_multiple`` rows (real
+    checkpoints pad their vocabulary too, so the model's ``V`` exceeds the tokenizer's), the LM
+    head is tied to it, and the weights are drawn under ``torch.manual_seed(seed)`` (the global RNG
+    is restored). Returns ``path`` as a ``pathlib.Path``: a directory ``--model`` and
+    ``AutoModelForCausalLM.from_pretrained`` load.
+    """
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_chat_tokenizer()
+    vocab = -(-len(tok) // vocab_multiple) * vocab_multiple
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+# --------------------------------------------------------------------------- #
 # Assertions
 # --------------------------------------------------------------------------- #
 
@@ -1270,6 +1360,7 @@ def assert_mask_invariant(
     compare = written if out_keys is None else [_key(k) for k in out_keys]
     if not compare:
         raise ValueError("assert_mask_invariant: the module wrote no output to compare; pass out_keys=")
+    _check_deterministic(run, td, clean, compare)
     if zero_at_masked is True:
         zero_keys = [k for k in compare if k in written and _per_token(clean.get(k), core)]
     else:
@@ -1288,6 +1379,19 @@ def assert_mask_invariant(
             for which, res in (("the clean batch", clean), (f"the batch with {label} at masked positions", bad)):
                 _check_zero(res.get(k, None), k, m, core, which)
     return report
+
+
+def _check_deterministic(run, td: TensorDictBase, clean: TensorDictBase, compare: list) -> None:
+    """The module gives the same outputs twice on the same clean batch; else no difference can be blamed on the mask."""
+    again = run(td.clone())
+    for k in compare:
+        a, b = clean.get(k, None), again.get(k, None)
+        if isinstance(a, Tensor) and isinstance(b, Tensor) and not torch.equal(a.nan_to_num(), b.nan_to_num()):
+            raise AssertionError(
+                f"assert_mask_invariant: the module is not deterministic: two calls on the same clean batch give "
+                f"different {k!r}, so a change under corrupted padding could not be blamed on masking; a module with "
+                f"dropout in training mode does this: call module.eval() (or seed it) before the check"
+            )
 
 
 def _invariance_mask(td: TensorDictBase, mask_key: NestedKey) -> Tensor:

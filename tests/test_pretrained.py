@@ -107,7 +107,9 @@ def test_task_tokens_go_through_the_tokenizer(ckpt):
 
 def test_without_a_tokenizer_the_mapping_is_the_identity(ckpt):
     assert PT.load_tokenizer(ckpt("qwen2", with_tokenizer=False)) is None
-    lm = PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK)
+    with pytest.raises(ValueError, match="has no tokenizer .* pass --token-map identity"):
+        PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK)
+    lm = PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK, token_map="identity")
     assert torch.equal(lm.token_ids, torch.arange(16)) and lm.model.vocab_size == 32
     with pytest.raises(ValueError, match="the model's vocabulary has 10 tokens but the task has 16"):
         PT.task_token_ids(TASK, None, 10)
@@ -342,8 +344,11 @@ def test_the_job_trains_a_checkpoint_and_resumes_exactly(ckpt, tmp_path, arch):
     assert [r["iteration"] for r in resumed] == [1.0, 2.0, 3.0]
     for key in _NOT_TIMING:
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full], rel=1e-5, abs=1e-7), key
-    with pytest.raises(ValueError, match="was written by a run with --model .* but this run has --model ''"):
+    with pytest.raises(SystemExit):  # another --model: refused before anything is built, as an error line
         T.main(["--out", str(tmp_path / "split"), "--iterations", "4", "--resume", *SMALL])
+    with pytest.raises(ValueError, match="was written by a run with --model .* but this run has --model ''"):
+        T.train(T.TrainConfig(**{**vars(T.build_parser().parse_args(["--out", str(tmp_path / "split"),
+                                 "--iterations", "4", "--resume", *SMALL])), "allow_change": "model"}))
 
 
 @pytest.mark.slow

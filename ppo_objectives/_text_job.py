@@ -1,0 +1,144 @@
+"""What the training job adds for text tasks on a pretrained checkpoint (internal to ``train``).
+
+The tasks from the flags (``--task chat-add1 | chat-add2 | jsonl``), the held-out
+evaluation every ``--eval-every`` iterations with its samples log, and the export
+of the trained actor as a Hugging Face directory. ``ppo_objectives/train.py``
+calls these; the text tasks themselves are :mod:`ppo_objectives.text_tasks`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ppo_objectives.pretrained import load_tokenizer
+from ppo_objectives.text_tasks import (
+    ARITHMETIC_TASKS,
+    TextTask,
+    arithmetic_examples,
+    evaluate,
+    load_reward,
+    number_reward,
+    read_prompts_jsonl,
+)
+
+#: The job's text tasks: the built-in arithmetic family and the user's JSONL file (``--prompts``).
+TEXT_TASKS = (*ARITHMETIC_TASKS, "jsonl")
+
+#: Held-out prompt -> completion pairs written to ``samples.txt`` at each evaluation.
+SAMPLES_SHOWN = 6
+
+#: The evaluation columns a text run adds to ``metrics.csv`` (nan on iterations without an evaluation).
+EVAL_COLUMNS = ("eval_greedy", "eval_sampled", "eval_s")
+
+
+def build_text_tasks(cfg) -> tuple[TextTask, TextTask | None]:
+    """``(training task, held-out task or None)`` of ``--task`` with the tokenizer of ``--model``."""
+    tokenizer = load_tokenizer(cfg.model)
+    if tokenizer is None:
+        raise ValueError(
+            f"--task {cfg.task} needs the tokenizer of --model {cfg.model} (tokenizer.json / tokenizer_config.json "
+            f"with a chat template), and the directory has none; export the checkpoint with its tokenizer: python -m "
+            f"ppo_objectives.pretrained --gguf SOURCE --out DIR"
+        )
+    if cfg.task == "jsonl":
+        train, reward = read_prompts_jsonl(cfg.prompts), load_reward(cfg.reward)
+        held_out = read_prompts_jsonl(cfg.eval_prompts) if cfg.eval_prompts else None
+    else:
+        train, reward = arithmetic_examples(cfg.task, "train"), number_reward
+        held_out = arithmetic_examples(cfg.task, "eval")
+    if held_out is not None:
+        _check_disjoint(train, held_out)
+    kw = dict(max_new_tokens=cfg.max_new_tokens)
+    return (TextTask(train, reward, tokenizer, name=cfg.task, **kw),
+            None if held_out is None else TextTask(held_out, reward, tokenizer, name=f"{cfg.task} held-out", **kw))
+
+
+def _check_disjoint(train, held_out) -> None:
+    """A held-out prompt that is also a training prompt is an error naming both places."""
+    seen = {_key(ex.prompt): ex.source for ex in train}
+    for ex in held_out:
+        if _key(ex.prompt) in seen:
+            raise ValueError(
+                f"the held-out prompt at {ex.source} is also a training prompt ({seen[_key(ex.prompt)]}): the held-out "
+                f"accuracy would measure memorised prompts; remove it from one of the files"
+            )
+
+
+def _key(prompt) -> str:
+    return prompt if isinstance(prompt, str) else repr([sorted(m.items()) for m in prompt])
+
+
+class HeldOutEvaluation:
+    """Greedy and sampled accuracy on the held-out task, and the samples log ``OUT/samples.txt``.
+
+    Sampling uses its own generator (seeded from ``--seed``), so evaluating changes no random
+    stream of the training run: a run with and without evaluations trains the same.
+    """
+
+    def __init__(self, task: TextTask | None, cfg, out: Path, main: bool):
+        self.task, self.samples, self.main = task, cfg.eval_samples, main
+        self.path = out / "samples.txt"
+        self.generator = torch.Generator().manual_seed(cfg.seed + 7919)
+
+    def state_dict(self) -> dict:
+        """The sampling generator's state: a resumed run evaluates with the random numbers it would have drawn."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+    def __call__(self, model: torch.nn.Module, iteration: int, what: str) -> dict[str, float]:
+        """Evaluate ``model`` (rank 0 writes the samples log); returns the eval columns of the row."""
+        if self.task is None:
+            return {k: float("nan") for k in EVAL_COLUMNS}
+        t0 = time.perf_counter()
+        greedy = evaluate(model, self.task, greedy=True)
+        sampled = evaluate(model, self.task, greedy=False, generator=self.generator, samples=self.samples)
+        if self.main:
+            self._log(iteration, what, greedy, sampled)
+        return dict(eval_greedy=greedy.accuracy, eval_sampled=sampled.accuracy, eval_s=time.perf_counter() - t0)
+
+    def _log(self, iteration: int, what: str, greedy, sampled) -> None:
+        lines = [f"=== iteration {iteration} ({what}): held-out greedy {greedy.accuracy:.3f}, "
+                 f"sampled {sampled.accuracy:.3f} over {len(self.task.examples)} prompts ==="]
+        for i in range(min(SAMPLES_SHOWN, len(self.task.examples))):
+            ex = self.task.examples[i]
+            lines.append(f"[{ex.source}] {_one_line(ex.messages()[-1]['content'])}")
+            lines.append(f"  greedy  ({greedy.rewards[i]:g}): {_one_line(greedy.completions[i])}")
+            j = i * self.samples
+            lines.append(f"  sampled ({sampled.rewards[j]:g}): {_one_line(sampled.completions[j])}")
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", "\\n")
+
+
+def export_hf(model: torch.nn.Module, tokenizer, path: Path) -> None:
+    """Save the actor's Hugging Face model and its tokenizer (chat template included) to ``path``.
+
+    Written to a temporary directory first and swapped in, so ``path`` always holds a whole
+    checkpoint. ``model`` is an :class:`~ppo_objectives.models.HFCausalLMAdapter`.
+    """
+    from transformers.utils import logging as hf_logging
+
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
+    try:
+        model.hf_model.save_pretrained(str(tmp))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(str(tmp))
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
