@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -487,6 +488,29 @@ def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+
+
+def write_run_config(out: Path, iteration: int, config: dict) -> None:
+    """``out/run_config.json``: the checkpoint's iteration and configuration, beside it (read without loading
+    the checkpoint's tensors), written atomically after the checkpoint."""
+    tmp = out / "run_config.json.tmp"
+    tmp.write_text(json.dumps({"iteration": iteration, "config": config}, indent=1))
+    os.replace(tmp, out / "run_config.json")
+
+
+def read_run_config(out: Path) -> dict | None:
+    """``{"iteration", "config"}`` of the checkpoint in ``out`` (``None`` without a checkpoint); from
+    ``run_config.json``, else from the checkpoint itself."""
+    path = out / "checkpoint.pt"
+    if not path.exists():
+        return None
+    meta = out / "run_config.json"
+    if meta.exists():
+        saved = json.loads(meta.read_text())
+        if saved["iteration"] == torch.load(path, map_location="cpu", weights_only=False, mmap=True)["iteration"]:
+            return saved
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {"iteration": int(ckpt["iteration"]), "config": ckpt.get("config", {})}
 
 
 def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:

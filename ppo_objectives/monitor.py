@@ -10,6 +10,9 @@ flag            what it means                                                   
 ``zero_reward`` the task score is gone                                             ``reward < 0.05``
 ``entropy``     the policy became deterministic without solving the task           ``entropy < 0.05 and exact < 0.5``
 ``kl_spike``    one step jumped far past the trust region                          ``kl_approx_max > 1.0``
+``stall``       no progress: neither the reward (mean of the last iterations) nor  ``stall_patience``
+                the held-out greedy accuracy improved by ``stall_delta`` for       iterations without
+                ``stall_patience`` iterations, below a solved level                progress
 =============== ================================================================== =====================
 
 The first three are *bad iterations*; ``patience`` bad iterations in a row make a
@@ -27,6 +30,15 @@ probability and pushed lower, which moves almost no probability mass.
 writes one line per event (a streak starting, a collapse, a recovery);
 :func:`plot_metrics` draws every signal on its own axis with the flagged
 iterations shaded, so a collapse is the first thing one sees.
+
+A **stall** is the quiet failure: a run whose reward sits at its starting level (a
+seed that never takes off) raises none of the collapse flags, and only a flat curve
+shows it. ``stall`` is raised on every iteration once ``stall_patience`` iterations
+have passed since the last progress (a new best of the reward's running mean over
+the last ``max(1, min(10, stall_patience // 4))`` iterations, or of ``eval_greedy``, by
+more than ``stall_delta``), unless the run is solved (that running mean of ``reward`` or
+of ``exact`` is at least ``solved_stall``). Like a spike it is a warning, not a bad
+iteration: it does not count towards a collapse.
 
 Example:
     >>> guard = CollapseGuard(patience=2)
@@ -52,7 +64,7 @@ from ppo_objectives import _validate
 __all__ = ["FLAGS", "CollapseGuard", "plot_metrics"]
 
 #: The flags :class:`CollapseGuard` raises, in the order they are reported.
-FLAGS = ("min_len", "zero_reward", "entropy", "kl_spike")
+FLAGS = ("min_len", "zero_reward", "entropy", "kl_spike", "stall")
 _BAD = ("min_len", "zero_reward", "entropy")  # the flags that make an iteration bad
 
 
@@ -73,6 +85,9 @@ class CollapseGuard:
         solved_exact: an exact-match rate at which a deterministic policy is fine (converged).
         kl_spike: minibatch mean approx-KL (``kl_approx_max``, nats) that counts as a spike.
         patience: bad iterations in a row that make a collapse (an int >= 1).
+        stall_patience: iterations without progress that make a stall (an int >= 1).
+        stall_delta: the improvement that counts as progress.
+        solved_stall: a running mean of ``reward`` or ``exact`` at which a flat run is solved, not stalled.
 
     Missing metrics (``nan`` or absent) raise no flag.
     """
@@ -83,15 +98,25 @@ class CollapseGuard:
     solved_exact: float = 0.5
     kl_spike: float = 1.0
     patience: int = 5
+    stall_patience: int = 100
+    stall_delta: float = 0.01
+    solved_stall: float = 0.95
     streak: int = field(default=0, init=False)  # bad iterations in a row, up to the last update
+    recent: list = field(default_factory=list, init=False)  # (reward, exact) of the last iterations
+    best: float = field(default=-math.inf, init=False)  # best running mean of the reward so far
+    best_eval: float = field(default=-math.inf, init=False)  # best held-out greedy accuracy so far
+    since_progress: int = field(default=0, init=False)  # iterations since the last progress
+    stalls: int = field(default=0, init=False)  # stalls declared so far
     collapses: int = field(default=0, init=False)  # collapses declared so far
     collapse_iterations: int = field(default=0, init=False)  # iterations spent collapsed
     spikes: int = field(default=0, init=False)  # iterations with a kl_spike flag
 
     def __post_init__(self):
-        for name in ("min_response_len", "reward_floor", "entropy_floor", "solved_exact", "kl_spike"):
+        for name in ("min_response_len", "reward_floor", "entropy_floor", "solved_exact", "kl_spike", "stall_delta"):
             setattr(self, name, _number(name, getattr(self, name)))
+        self.solved_stall = _number("solved_stall", self.solved_stall, low=-math.inf)
         _validate.check_int("patience", self.patience, low=1, where="CollapseGuard ")
+        _validate.check_int("stall_patience", self.stall_patience, low=1, where="CollapseGuard ")
 
     @property
     def collapsed(self) -> bool:
@@ -112,7 +137,26 @@ class CollapseGuard:
             undone = ", step pulled back" if g("rolled_back") > 0 else ""
             out["kl_spike"] = (f"kl_approx_max {g('kl_approx_max'):.2f} nats, largest token "
                                f"{g('kl_token_max'):.2f}{undone}")  # fmt: skip
+        if self.since_progress >= self.stall_patience:
+            out["stall"] = (f"no progress for {self.since_progress} iterations (reward running mean best "
+                            f"{self.best:.3f}, held-out greedy best {self.best_eval:.3f})")
         return out
+
+    def _track_progress(self, row: dict) -> None:
+        """Update the running mean of the reward, the best held-out accuracy and the iterations since progress."""
+        reward, exact, held_out = (float(row.get(k, math.nan)) for k in ("reward", "exact", "eval_greedy"))
+        progress = False
+        if not math.isnan(reward):
+            window = max(1, min(10, self.stall_patience // 4))
+            self.recent = (self.recent + [(reward, exact)])[-window:]
+            mean = sum(r for r, _ in self.recent) / len(self.recent)
+            exact_mean = sum(e for _, e in self.recent) / len(self.recent)
+            solved = mean >= self.solved_stall or exact_mean >= self.solved_stall
+            progress = solved or mean > self.best + self.stall_delta
+            self.best = max(self.best, mean) if progress or self.best == -math.inf else self.best
+        if not math.isnan(held_out) and held_out > self.best_eval + self.stall_delta:
+            progress, self.best_eval = True, held_out
+        self.since_progress = 0 if progress else self.since_progress + 1
 
     def update(self, row: dict) -> list[str]:
         """Flag ``row`` (one iteration), write ``warn_*`` / ``collapse`` columns into it, and
@@ -121,6 +165,8 @@ class CollapseGuard:
         A streak of bad iterations is reported when it starts, again when it becomes a
         collapse, and when the run recovers; spikes are reported every time.
         """
+        was_stalled = self.since_progress >= self.stall_patience
+        self._track_progress(row)
         flags = self.flags(row)
         bad = [f for f in _BAD if f in flags]
         was_collapsed = self.collapsed
@@ -146,22 +192,32 @@ class CollapseGuard:
         if "kl_spike" in flags:
             self.spikes += 1
             lines.append(f"iteration {it}: kl_spike ({flags['kl_spike']})")
+        if "stall" in flags and not was_stalled:
+            self.stalls += 1
+            lines.append(f"iteration {it}: STALL: {flags['stall']}; the run is not learning")
+        elif was_stalled and "stall" not in flags:
+            lines.append(f"iteration {it}: progress again after a stall")
         return lines
 
     def state_dict(self) -> dict:
         return dict(streak=self.streak, collapses=self.collapses, collapse_iterations=self.collapse_iterations,
-                    spikes=self.spikes)  # fmt: skip
+                    spikes=self.spikes, recent=[list(r) for r in self.recent], best=self.best,
+                    best_eval=self.best_eval, since_progress=self.since_progress, stalls=self.stalls)  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         for k in ("streak", "collapses", "collapse_iterations", "spikes"):
             setattr(self, k, int(state[k]))
+        if "since_progress" in state:  # the stall tracker (checkpoints of this version)
+            self.recent = [tuple(r) for r in state["recent"]]
+            self.best, self.best_eval = float(state["best"]), float(state["best_eval"])
+            self.since_progress, self.stalls = int(state["since_progress"]), int(state["stalls"])
 
     def summary(self) -> str:
         """One line for the end of a run."""
-        if not self.collapses and not self.spikes:
-            return "no collapse, no KL spike"
+        if not self.collapses and not self.spikes and not self.stalls:
+            return "no collapse, no KL spike, no stall"
         return (f"{self.collapses} collapse(s) ({self.collapse_iterations} iterations collapsed), "
-                f"{self.spikes} iteration(s) with a per-token KL spike")  # fmt: skip
+                f"{self.spikes} iteration(s) with a per-token KL spike, {self.stalls} stall(s)")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- #
@@ -170,7 +226,8 @@ class CollapseGuard:
 
 # (title, [(metric, label)], y scale): each panel on its own axis, so no signal's scale hides another's
 _PANELS = (
-    ("task score", [("reward", "reward"), ("exact", "exact match")], "linear"),
+    ("task score", [("reward", "reward"), ("exact", "exact match"), ("eval_greedy", "held-out greedy"),
+                    ("eval_sampled", "held-out sampled")], "linear"),
     ("response length (tokens)", [("response_len", "response_len")], "linear"),
     ("per-token KL (nats)", [("kl_ref", "kl_ref (to reference, k1 mean)"), ("kl_approx", "kl_approx (k2 mean)"),
                              ("kl_approx_max", "kl_approx, largest minibatch"),
@@ -185,13 +242,28 @@ _PANELS = (
 )
 
 
+def _plain_ticks():
+    """Tick labels as plain numbers (``0.01``, ``-1``, ``100``), not ``6.79x10^-4``."""
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda y, _: f"{y:g}")
+
+
+def _set(row: dict, key: str) -> bool:
+    """Whether a 0/1 column is set in ``row`` (absent or nan: not set)."""
+    value = row.get(key, 0)
+    return bool(value == value and value)
+
+
 def plot_metrics(rows: list[dict], png_path: str | Path, *, title: str | None = None) -> None:
     """Draw a run's metrics rows into ``png_path`` (written atomically).
 
     One axis per signal group (the table in the module docstring): task score,
     response length, per-token KL (mean and max, symlog scale so a spike of 10 nats
     and a mean of 0.01 are both readable), entropy, clip fractions, explained
-    variance (symlog: -4000 does not flatten the curve), losses, optimizer steps.
+    variance (symlog: -4000 does not flatten the curve), losses, optimizer steps. Symlog axes have
+    plain tick labels (``0.01``, ``-100``), and the response length's axis starts at 0, so only a
+    real change in length shows.
     Iterations flagged by :class:`CollapseGuard` (``warn_*`` columns) are shaded
     orange, collapsed ones (``collapse``) red, on every panel.
     """
@@ -206,25 +278,29 @@ def plot_metrics(rows: list[dict], png_path: str | Path, *, title: str | None = 
     for ax, (name, series, scale) in zip(axes.flat, _PANELS):
         drawn = 0
         for key, label in series:
-            ys = [r.get(key, math.nan) for r in rows]
-            if any(not math.isnan(y) for y in ys):
-                ax.plot(it, ys, label=label, lw=1.2)
+            points = [(x, r[key]) for x, r in zip(it, rows) if not math.isnan(r.get(key, math.nan))]
+            if points:  # sparse series (held-out evaluations) are drawn through their points, with markers
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, label=label, lw=1.2, marker="o" if len(points) < len(rows) else None, ms=3)
                 drawn += 1
         for x, r in zip(it, rows):
-            if r.get("collapse", 0):
+            if _set(r, "collapse"):
                 ax.axvspan(x - 0.5, x + 0.5, color="red", alpha=0.25, lw=0)
-            elif any(r.get(f"warn_{f}", 0) for f in FLAGS):
+            elif any(_set(r, f"warn_{f}") for f in FLAGS):
                 ax.axvspan(x - 0.5, x + 0.5, color="orange", alpha=0.25, lw=0)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=1e-2)
+            ax.yaxis.set_major_formatter(_plain_ticks())  # 0.01, -1, 100: no 6.79x10^-4 labels
+        if name.startswith("response length"):  # from 0: a dip of 0.03 tokens must not look like a collapse
+            ax.set_ylim(bottom=0)
         ax.set_title(name)
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=8, loc="best")
     for ax in axes[-1]:
         ax.set_xlabel("iteration")
-    n_collapsed = sum(int(r.get("collapse", 0)) for r in rows)
-    n_flagged = sum(any(r.get(f"warn_{f}", 0) for f in FLAGS) for r in rows)
+    n_collapsed = sum(_set(r, "collapse") for r in rows)
+    n_flagged = sum(any(_set(r, f"warn_{f}") for f in FLAGS) for r in rows)
     head = title or "PPO run"
     fig.suptitle(f"{head}: {len(rows)} iterations; {n_collapsed} collapsed (red), {n_flagged} flagged (orange)")
     fig.tight_layout()

@@ -22,7 +22,9 @@ Categories (``Case.kind``):
 - ``empty-batch``: zero rows or zero-length responses;
 - ``token-ids``: token ids outside the vocabulary, actions outside the action space;
 - ``non-finite``: NaN / inf at valid positions (where they would reach a result);
-- ``layout``: a batch of the wrong layout (a raw collector batch, masked data for TorchRL's GAE).
+- ``layout``: a batch of the wrong layout (a raw collector batch, masked data for TorchRL's GAE);
+- ``composition``: a plausible way of wiring the modules together that would compute the wrong
+  thing without a word (swapped arguments, an estimator with the wrong loss, a step out of order).
 
 A case may also expect a warning (``warns``): a likely mistake that TorchRL's conventions
 keep legal is warned about, and the warning is raised as an error for the case.
@@ -81,6 +83,7 @@ KINDS = (
     "token-ids",
     "non-finite",
     "layout",
+    "composition",
 )
 
 
@@ -1502,6 +1505,90 @@ refuse("ToLLMBatch-single-step", "shape", lambda: ToLLMBatch(4, 4)(TokenLMEnv.fr
        ValueError, r"expected a collector batch \[\*N, T\]")
 accept("ToLLMBatch-reward-where-MaskedGAE-reads-it", "no-eos", lambda: ToLLMBatch(4, 4)(_rollout(4)[0]),
        lambda llm: (close(llm["next", "reward"], llm["token_reward"]), _assert_shape(llm["next", "reward"], (2, 4))))
+
+
+# ---- composing the modules: the silent mistakes ------------------------------
+
+
+def _add_rollout():
+    """A collector-style rollout of the two-digit add task: P = 6, M = 4 (swapping them is visible)."""
+    task = DigitTask("add", 2)
+    env = TokenLMEnv.from_task(task, num_envs=2, seed=0)
+    return env.rollout(4, _constant_policy(task.encode("5")[0]), break_when_any_done=False)
+
+
+def _kit():
+    from ppo_objectives import testing as K
+
+    return K
+
+
+def _kit_loss(critic: bool, **kw):
+    actor, crit = _kit().tiny_actor_critic()
+    return TokenPPOLoss(actor, crit if critic else None, **kw)
+
+
+def _singleton_groups():
+    from ppo_objectives.critic_free import GroupAdvantage
+
+    td = _kit().response_batch(batch_size=4, response_len=3, seed=0)
+    td.set("score", torch.rand(4))
+    td.set("group", torch.arange(4))
+    return GroupAdvantage("grpo")(td)
+
+
+def _dropout_module():
+    class Noisy(nn.Module):  # a reward shaper with dropout left in training mode
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, r):
+            return self.drop(r)
+
+    m = TensorDictModule(Noisy(), in_keys=[("next", "reward")], out_keys=["shaped"])
+    return _kit().assert_mask_invariant(m, _kit().response_batch(batch_size=4, response_len=5, seed=0))
+
+
+def _untokenized_checkpoint():
+    from ppo_objectives.pretrained import load_policy_model, write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), "llama", hidden_size=16, num_layers=1, with_tokenizer=False)
+    return load_policy_model(path, TASK)
+
+
+refuse("ToLLMBatch-arguments-swapped", "composition", lambda: ToLLMBatch(4, 6)(_add_rollout()),
+       ValueError, r"responses of this batch start at column 6, but prompt_len is 4 .*were the two swapped\?.*"
+                   r"ToLLMBatch\(env\.prompt_len, env\.max_new_tokens\)")
+refuse("ToLLMBatch-wrong-budget", "composition", lambda: ToLLMBatch(6, 5)(_add_rollout()),
+       ValueError, r"token buffer has S=10 columns, but prompt_len \+ max_new_tokens = 6 \+ 5 = 11")
+refuse("KLPenaltyTransform-after-GAE", "composition",
+       lambda: KLPenaltyTransform(coeff=0.1)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True)),
+       ValueError, r"already holds 'advantage'.*run KLPenaltyTransform before MaskedGAE")
+refuse("kl_estimate-probabilities", "composition", lambda: F.kl_estimate(torch.tensor([[0.5]]), torch.tensor([[-0.2]])),
+       ValueError, r"logps holds 0\.5 > 0, but log-probabilities are <= 0: pass log-probs")
+refuse("TokenPPOLoss-no-reference-log-probs", "missing-key",
+       lambda: _kit_loss(False)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True,
+                                                      with_ref_log_prob=False)),
+       KeyError, r"ref_log_prob.*run KLPenaltyTransform\(ref\) on the batch first.*frozen_reference.*kl_coeff=0\.0")
+refuse("TokenPPOLoss-critic-free-without-advantage", "missing-key",
+       lambda: _kit_loss(False, kl_coeff=0.0)(_kit().response_batch(batch_size=2, response_len=3)),
+       KeyError, r"has no critic and the batch has no 'advantage'.*GroupAdvantage")
+refuse("TokenPPOLoss-critic-with-GroupAdvantage", "composition",
+       lambda: _kit_loss(True).make_value_estimator(__import__("ppo_objectives").GroupAdvantage("grpo")),
+       ValueError, r"GroupAdvantage has no critic .* would regress the critic onto advantages.*TokenPPOLoss\(actor, None")
+warns("TokenPPOLoss-dr-grpo-token-mean", "composition",
+      lambda: _kit_loss(False).make_value_estimator(__import__("ppo_objectives").GroupAdvantage("dr_grpo")),
+      UserWarning, r"defined with loss_agg_mode='token-sum-norm'")
+warns("GroupAdvantage-every-group-a-singleton", "composition", _singleton_groups,
+      UserWarning, r"every group in this batch of 4 responses has one response.*group_size")
+refuse("frozen_reference-of-the-read-out", "composition",
+       lambda: __import__("ppo_objectives.train").train.frozen_reference(_factory().actor, 4),
+       TypeError, r"actor_model must be the causal LM.*pass ac\.actor_model, not the TensorDict read-out ac\.actor")
+refuse("assert_mask_invariant-dropout-in-train-mode", "composition", _dropout_module,
+       AssertionError, r"not deterministic.*dropout in training mode.*module\.eval\(\)")
+refuse("load_policy_model-without-tokenizer", "composition", _untokenized_checkpoint,
+       ValueError, r"has no tokenizer .*pass --token-map identity")
 
 
 # =========================================================================== #

@@ -64,14 +64,14 @@ def test_short_bad_streaks_are_warned_about_but_are_no_collapse():
     guard = CollapseGuard(patience=5)
     lines = _feed(guard, [EOS_FIRST] * 4 + [HEALTHY] + [EOS_FIRST] * 4)
     assert [line.split(":")[0] for line in lines] == ["iteration 1", "iteration 6"]
-    assert guard.collapses == 0 and guard.summary() == "no collapse, no KL spike"
+    assert guard.collapses == 0 and guard.summary() == "no collapse, no KL spike, no stall"
 
 
 def test_update_writes_the_warn_and_collapse_columns_into_the_row():
     guard = CollapseGuard(patience=1)
     row = dict(EOS_FIRST, iteration=1, kl_approx_max=7.0, kl_token_max=40.0, rolled_back=1)
     lines = guard.update(row)
-    assert {f: row[f"warn_{f}"] for f in FLAGS} == dict(min_len=1, zero_reward=1, entropy=1, kl_spike=1)
+    assert {f: row[f"warn_{f}"] for f in FLAGS} == dict(min_len=1, zero_reward=1, entropy=1, kl_spike=1, stall=0)
     assert row["collapse"] == 1
     assert lines[-1] == "iteration 1: kl_spike (kl_approx_max 7.00 nats, largest token 40.00, step pulled back)"
     assert guard.spikes == 1 and "1 collapse(s)" in guard.summary()

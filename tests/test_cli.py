@@ -1,0 +1,82 @@
+"""The job's command line refuses what it cannot honour: error lines (exit 2, no traceback), a guarded
+--resume, a grouped --help."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ppo_objectives import train as T
+
+SMALL = ["--preset", "pico", "--num-envs", "8", "--warmup-steps", "3", "--ppo-epochs", "1", "--minibatches", "2",
+         "--no-plot", "--no-progress"]  # fmt: skip
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        T.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error:" in err
+    return err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--fsdp"], "this process was not launched by torchrun"),
+    (["--grad-checkpointing"], "--grad-checkpointing needs --model DIR"),
+    (["--task", "chat-add1"], "--task chat-add1 is a text task: it needs --model DIR"),
+    (["--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
+    (["--policy-lam", "0.9", "--length-alpha", "1"], "--policy-lam and --length-alpha both set"),
+])  # fmt: skip
+def test_configuration_errors_are_error_lines(capsys, tmp_path, argv, match):
+    err = _error(capsys, [*argv, "--out", str(tmp_path)])
+    assert match in err
+
+
+def test_out_pointing_at_a_file_names_out(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    err = _error(capsys, ["--out", str(tmp_path / "f")])
+    assert "--out " in err and "is a file; give a directory" in err
+
+
+def test_a_missing_logger_package_is_an_error_line(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert "--logger wandb needs the wandb package" in _error(capsys, ["--logger", "wandb", "--out", str(tmp_path)])
+
+
+def test_resume_refuses_a_missing_checkpoint_changed_flags_and_nothing_left(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    assert "no checkpoint in" in _error(capsys, ["--out", out, "--resume", *SMALL])
+    T.main(["--iterations", "2", "--out", out, *SMALL])
+    err = _error(capsys, ["--iterations", "4", "--out", out, "--resume", "--task", "copy", "--lr", "1e-3",
+                          "--num-envs", "16", *SMALL[:2], *SMALL[4:]])
+    assert "--task 'copy' (the checkpoint's: 'reverse')" in err and "--lr 0.001 (the checkpoint's: 0.0003)" in err
+    assert "--num-envs 16" in err and "--allow-change task,lr,num-envs" in err
+    assert "nothing left to run" in _error(capsys, ["--iterations", "2", "--out", out, "--resume", *SMALL])
+    assert "no such flag" in _error(capsys, ["--iterations", "3", "--out", out, "--resume", "--allow-change", "speed",
+                                             *SMALL])
+
+
+def test_resume_with_safe_changes_says_where_it_resumed(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    T.main(["--iterations", "2", "--out", out, *SMALL])
+    capsys.readouterr()
+    T.main(["--iterations", "3", "--out", out, "--resume", "--save-every", "5", "--threads", "1", *SMALL])
+    assert "resumed at iteration 2 of 3" in capsys.readouterr().err
+    rows = T.read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["iteration"] for r in rows] == [1.0, 2.0, 3.0]
+    T.main(["--iterations", "4", "--out", out, "--resume", "--lr", "1e-4", "--allow-change", "lr", *SMALL])
+    assert not math.isnan(T.read_metrics(tmp_path / "run" / "metrics.csv")[-1]["reward"])
+
+
+def test_help_is_grouped(capsys):
+    with pytest.raises(SystemExit):
+        T.main(["--help"])
+    out = capsys.readouterr().out
+    positions = [out.index(f"\n{g}:") for g in ("run", "model", "task", "PPO", "KL", "critic", "output", "parallel")]
+    assert positions == sorted(positions)
+    assert out.index("--kl-coef") > out.index("\nKL:") > out.index("--clip-epsilon")
