@@ -1495,18 +1495,21 @@ def kl_estimate(
 
 
 def _check_log_probs(tensors: dict[str, Tensor]) -> None:
-    """Log-probabilities are <= 0: a positive value (beyond rounding) means probabilities or logits were passed
-    (one host read; skipped under ``value_checks(False)``). Positions a caller masks may hold garbage; they are
-    checked too only when finite, so NaN padding passes."""
+    """Log-probabilities are <= 0: a tensor whose finite values are all >= 0 with some above rounding holds
+    probabilities (or other non-negative scores), not log-probs (one host read; skipped under
+    ``value_checks(False)``). A tensor with any negative value passes, so whatever a caller's mask hides at
+    padded positions (garbage, NaN) never decides the check on its own."""
     if not _validate.checking_values():
         return
     for name, x in tensors.items():
         if x.numel() and x.is_floating_point():
-            top = float(torch.where(torch.isfinite(x), x.detach(), -1.0).max())
-            if top > 1e-3:
+            finite = torch.isfinite(x)
+            low = float(torch.where(finite, x.detach(), 0.0).min())
+            top = float(torch.where(finite, x.detach(), -1.0).max())
+            if low >= 0.0 and top > 1e-3:
                 raise ValueError(
-                    f"kl_estimate: {name} holds {top:.4g} > 0, but log-probabilities are <= 0: pass log-probs "
-                    f"(torch.log(p), or log_softmax(logits).gather(...)), not probabilities or logits"
+                    f"kl_estimate: {name} holds no negative value (max {top:.4g}), but log-probabilities are <= 0: "
+                    f"pass log-probs (torch.log(p), or log_softmax(logits).gather(...)), not probabilities"
                 )
 
 

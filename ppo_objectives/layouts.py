@@ -305,8 +305,9 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
 
 
 def _check_prompt_and_budget(batch: TensorDictBase, P: int, M: int) -> None:
-    """``P`` and ``M`` fit the batch: its token buffer is ``P + M`` wide, and no step's next token goes left of
-    column ``P`` (rows fresh from a reset start at ``P`` exactly). One host read."""
+    """``P`` and ``M`` fit the batch: its token buffer is ``P + M`` wide, no step's next token goes left of
+    column ``P``, and the batch does not start with every row one column past ``P`` while no step writes
+    column ``P`` (fresh rows of a larger prompt: ``P`` and ``M`` swapped). One host read."""
     S = batch.get(("next", "tokens")).shape[-1]
     fix = "pass the env's values, ToLLMBatch(env.prompt_len, env.max_new_tokens)"
     if S != P + M:
@@ -317,7 +318,9 @@ def _check_prompt_and_budget(batch: TensorDictBase, P: int, M: int) -> None:
         return
     first = position.reshape(batch.shape)[:, 0]
     lo, fresh = torch.stack([position.min(), (first == first[0]).all().long() * first[0]]).tolist()
-    if lo < P or (fresh and fresh != P):
+    # no token left of column P; and rows that all start at one column past P, with no step at P, are fresh rows
+    # of a larger prompt (a batch cut mid-episode has steps at P where its next episodes start)
+    if lo < P or (lo > P and fresh and fresh != P):
         raise ValueError(
             f"trajectories_to_llm_batch: the responses of this batch start at column {fresh or lo}, but prompt_len is "
             f"{P} (max_new_tokens {M}): were the two swapped? Every response would be dropped; {fix}"

@@ -508,13 +508,7 @@ class TokenPPOLoss(LossModule):
             nets["critic_network"] = self.critic_network
         _check_network_inputs(td, nets)
         if td.get(self.tensor_keys.advantage, None) is None:
-            if not self._has_critic and not getattr(self.value_estimator, "critic_free", False):
-                raise KeyError(
-                    f"TokenPPOLoss has no critic and the batch has no {self.tensor_keys.advantage!r}: a loss without a "
-                    f"critic cannot compute advantages with GAE; write them first with a critic-free estimator "
-                    f"(GroupAdvantage('grpo' | 'dr_grpo' | 'rloo') or ReinforcePlusPlus on the batch, or "
-                    f"loss.make_value_estimator(GroupAdvantage(...))), or give the loss a critic"
-                )
+            _check_advantage_source(self)
             _check_estimator_fits(self.value_estimator, td, self.tensor_keys)
             self.value_estimator(td)
         batch = self._read_batch(td)
@@ -654,6 +648,17 @@ def _check_critic_free(loss: TokenPPOLoss, estimator) -> None:
             f"defined with loss_agg_mode={expected!r}; pass loss_agg_mode={expected!r} to the loss",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def _check_advantage_source(loss: TokenPPOLoss) -> None:
+    """A batch without advantages and a loss without a critic need a critic-free estimator to write them."""
+    if not loss._has_critic and not getattr(loss.value_estimator, "critic_free", False):
+        raise KeyError(
+            f"TokenPPOLoss has no critic and the batch has no {loss.tensor_keys.advantage!r}: a loss without a "
+            f"critic cannot compute advantages with GAE; write them first with a critic-free estimator "
+            f"(GroupAdvantage('grpo' | 'dr_grpo' | 'rloo') or ReinforcePlusPlus on the batch, or "
+            f"loss.make_value_estimator(GroupAdvantage(...))), or give the loss a critic"
         )
 
 

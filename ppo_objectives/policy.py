@@ -128,7 +128,7 @@ def _head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     dtype = getattr(model, "autocast_dtype", None)
     if dtype is None:
         return model.lm_head(hidden).float()
-    with torch.autocast(device_type=model.lm_head.weight.device.type, dtype=dtype):
+    with torch.autocast(device_type=hidden.device.type, dtype=dtype):
         return model.lm_head(hidden).float()
 
 

@@ -1088,7 +1088,7 @@ def _chat_corpus() -> list[str]:
 
 
 def tiny_chat_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer with a chat template, trained in code (no download), deterministic.
+    r"""A byte-level BPE tokenizer with a chat template, trained in code (no download), deterministic.
 
     ``tokenizers``' BPE trainer on a few hundred lines of arithmetic chat text, byte-level
     pre-tokenizer and decoder (any string encodes and decodes back), the special tokens

@@ -36,11 +36,11 @@ chat template the same way)::
     >>> tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant: "
     >>> task = TextTask([TextExample("What is 1 + 2 ?", {"answer": 3})], number_reward, tok, max_new_tokens=4)
     >>> task.prompt_len, task.eos_id, task.pad_id
-    (7, 1, 0)
+    (8, 1, 0)
     >>> tok.decode(task.prompt_ids[0])
     'user: What is 1 + 2 ? assistant:'
     >>> response = torch.tensor([[10, 1, 0, 0]])                      # "3" then <eos>
-    >>> task.reward(task.prompt_ids[:1], torch.ones(1, 7, dtype=torch.bool), response,
+    >>> task.reward(task.prompt_ids[:1], torch.ones(1, 8, dtype=torch.bool), response,
     ...             torch.tensor([[True, True, False, False]]), prompt_id=torch.tensor([0]))
     tensor([1.])
 """
@@ -121,7 +121,7 @@ def arithmetic_examples(name: str, split: str, *, split_seed: int = 0) -> list[T
     Example:
         >>> train, held_out = arithmetic_examples("chat-add1", "train"), arithmetic_examples("chat-add1", "eval")
         >>> len(train), len(held_out), held_out[0].prompt, held_out[0].fields
-        (70, 30, 'What is 4 + 7?', {'answer': 11})
+        (70, 30, 'What is 4 + 4?', {'answer': 8})
         >>> {e.prompt for e in train} & {e.prompt for e in held_out}
         set()
     """
@@ -189,7 +189,8 @@ def read_prompts_jsonl(path) -> list[TextExample]:
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "p.jsonl")
-        >>> _ = open(path, "w").write('{"prompt": "What is 2 + 2?", "answer": 4}\\n')
+        >>> from pathlib import Path
+        >>> _ = Path(path).write_text('{"prompt": "What is 2 + 2?", "answer": 4}\\n')
         >>> ex = read_prompts_jsonl(path)[0]
         >>> ex.prompt, ex.fields, ex.source.endswith("p.jsonl:1")
         ('What is 2 + 2?', {'answer': 4}, True)
@@ -233,7 +234,8 @@ def load_reward(spec: str) -> Callable[..., float]:
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "r.py")
-        >>> _ = open(path, "w").write("def exact(completion, answer):\\n    return float(completion.strip() == str(answer))\\n")
+        >>> from pathlib import Path
+        >>> _ = Path(path).write_text("def exact(completion, answer):\\n    return float(completion.strip() == str(answer))\\n")
         >>> load_reward(f"{path}:exact")("4", answer=4)
         1.0
     """

@@ -330,7 +330,7 @@ RECIPES: dict[str, dict] = {
                 stall_patience=100, shared_trunk=False, whiten=True, lam=0.95),
     "pretrained": dict(iterations=30, num_envs=32, warmup_steps=0, lr=2e-5, critic_lr=1e-3, ppo_epochs=1,
                        minibatches=2, kl_coef=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
-                       critic_warmup=0, stall_patience=15, shared_trunk=True, whiten=True, lam=1.0),
+                       critic_warmup=0, stall_patience=15, shared_trunk=True, whiten=False, lam=1.0),
 }  # fmt: skip
 
 #: The critic-free ``--advantage`` modes (:mod:`ppo_objectives.critic_free`).
@@ -1271,7 +1271,8 @@ def _build(cfg: TrainConfig, d: _plumbing.Dist) -> _Run:
               flush=True)
     if ckpt is None and pg is not None:
         torch.manual_seed(rank_seed)  # after the identical build: each rank samples its own responses
-    run.collector = make_collector(cfg, task, ac.policy, env, rank=d.rank)
+    with _plumbing.gathered_for_rollout(ac.actor_model):  # TorchRL's collector runs the policy once as it is built
+        run.collector = make_collector(cfg, task, ac.policy, env, rank=d.rank)
     run.collector_iter = iter(run.collector)
     if ckpt is not None:  # RNG states last: building the collector resets the env (draws prompts)
         _plumbing.restore_rng_states(ckpt, d.rank, gen, env._generator, device)
@@ -1304,7 +1305,7 @@ def _train(cfg: TrainConfig, d: _plumbing.Dist) -> list[dict[str, float]]:
     try:
         if run.evaluation is not None and run.start_it == 0:  # the pretrained model before any update: row 0
             rows.append(_log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
-        train_s = 0.0  # rollouts and updates, this session (--time-limit)
+        train_s = 0.0  # rollouts and updates since this process started (--time-limit)
         for it in range(run.start_it, cfg.iterations):
             row = _iteration(run, it)
             train_s += row["rollout_s"] + row["reference_s"] + row["update_s"]

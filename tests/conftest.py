@@ -28,3 +28,20 @@ def seed():
     """Seed torch's global RNG and return a seeded generator."""
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """``cli_error(argv)``: run the job's ``main(argv)``, expect an argparse ``error:`` line (exit 2, no
+    traceback) and return what it printed on stderr."""
+    from ppo_objectives import train as T
+
+    def run(argv) -> str:
+        with pytest.raises(SystemExit) as exc:
+            T.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error:" in err
+        return err
+
+    return run
