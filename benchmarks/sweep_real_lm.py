@@ -1,0 +1,93 @@
+"""The measurements behind the job's ``pretrained`` recipe: one change to it at a time, same seed, same budget.
+
+Each variant is the job (``python -m ppo_objectives.train --model DIR --task chat-add1``) with
+the flags shown added to the default recipe, run for ``--minutes`` of training time one after
+the other on the same machine, evaluated on the held-out set by the same rule as
+``bench_real_lm.py`` (after the first iteration past every ``--eval-minutes``, and at the end).
+Printed: held-out greedy / sampled accuracy at each evaluation, iterations, seconds per
+iteration with its split, and the last iterations' reward and KL to the pretrained model.
+One seed per variant: it shows large effects and says nothing about small ones.
+
+    python benchmarks/sweep_real_lm.py                                 # every variant below, 5 minutes each
+    python benchmarks/sweep_real_lm.py --variants default "--kl-coef 0" "--no-whiten "   # a flag alone: end it
+                                                                                        # with a space
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_real_lm import DEFAULT_MODEL, run_job  # noqa: E402
+
+from ppo_objectives.pretrained import export_hf_checkpoint  # noqa: E402
+
+#: One change to the default recipe each ("default": none).
+VARIANTS = (
+    "default",
+    "--lr 1e-5",
+    "--lr 4e-5",
+    "--kl-coef 0",
+    "--kl-coef 0.05",
+    "--critic-warmup 2",
+    "--lam 1.0 --policy-lam 0.95",
+    "--length-alpha 0.5",
+    "--minibatches 1",
+    "--minibatches 4",
+    "--no-shared-trunk",
+)
+
+
+def _name(variant: str) -> str:
+    return variant.strip().replace("--", "").replace(" ", "_") or "default"
+
+
+def _evals(rows: list[dict]) -> str:
+    return ", ".join(f"{r['train_s'] / 60:.1f}m {r['eval_greedy']:.2f}/{r['eval_sampled']:.2f}"
+                     for r in rows if not math.isnan(r.get("eval_greedy", math.nan)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2"))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--eval-minutes", type=float, default=2.5)
+    p.add_argument("--eval-samples", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/sweep_real_lm"))
+    p.add_argument("--summary-only", action="store_true")
+    args = p.parse_args(argv)
+    if not args.summary_only and not (args.model / "config.json").is_file():
+        export_hf_checkpoint("smollm2", args.model)
+    print(f"| variant ({args.task}, seed {args.seed}, {args.minutes:g} min) | held-out greedy/sampled at minute | "
+          f"iterations | s / iteration (rollout, reference, update) | reward, last 3 | kl_ref, last |")
+    print("|---|---|---|---|---|---|")
+    for variant in args.variants:
+        run_dir = args.out / args.task / f"seed{args.seed}" / _name(variant)
+        result = run_dir / "rows.json"
+        if not args.summary_only:
+            args.train_args = "" if variant.strip() == "default" else variant.strip()
+            rows = run_job(args.model, args.task, args.seed, args.minutes, args, run_dir / "job")
+            result.write_text(json.dumps(rows))
+        if not result.exists():
+            continue
+        rows = json.loads(result.read_text())
+        its = [r for r in rows if r["iteration"] > 0]
+        split = [sum(r[k] for r in its) / len(its) for k in ("rollout_s", "reference_s", "update_s")]
+        last = its[-3:]
+        print(f"| `{variant}` | {_evals(rows)} | {len(its)} | {sum(split):.1f} ({', '.join(f'{x:.1f}' for x in split)})"
+              f" | {sum(r['reward'] for r in last) / len(last):.2f} | {its[-1]['kl_ref']:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
