@@ -23,11 +23,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from ppo_objectives._text_job import EVAL_SEED_OFFSET  # the job's held-out sampling stream
 from ppo_objectives.models import HFCausalLMAdapter
 from ppo_objectives.pretrained import load_tokenizer
 from ppo_objectives.text_tasks import TextTask, arithmetic_examples, evaluate, number_reward
-
-EVAL_SEED_OFFSET = 7919  # the job's held-out sampling generator: seed + 7919 (ppo_objectives/_text_job.py)
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1):

@@ -29,6 +29,9 @@ from ppo_objectives.text_tasks import (
 #: The job's text tasks: the built-in arithmetic family and the user's JSONL file (``--prompts``).
 TEXT_TASKS = (*ARITHMETIC_TASKS, "jsonl")
 
+#: The held-out sampling generator is seeded with ``--seed`` + this (a stream apart from the training run's).
+EVAL_SEED_OFFSET = 7919
+
 #: Held-out prompt -> completion pairs written to ``samples.txt`` at each evaluation.
 SAMPLES_SHOWN = 6
 
@@ -83,7 +86,7 @@ class HeldOutEvaluation:
     def __init__(self, task: TextTask | None, cfg, out: Path, main: bool):
         self.task, self.samples, self.main = task, cfg.eval_samples, main
         self.path = out / "samples.txt"
-        self.generator = torch.Generator().manual_seed(cfg.seed + 7919)
+        self.generator = torch.Generator().manual_seed(cfg.seed + EVAL_SEED_OFFSET)
 
     def state_dict(self) -> dict:
         """The sampling generator's state: a resumed run evaluates with the random numbers it would have drawn."""

@@ -527,10 +527,10 @@ class TrainConfig:
             raise ValueError(f"{', '.join(given)} belong to --task jsonl (your own prompts), but --task is "
                              f"{self.task}; add --task jsonl or drop them")
         if self.recipe == "toy":
-            DigitTask(self.task, self.digits)  # the task checks its own arguments
+            task = DigitTask(self.task, self.digits)  # the task checks its own arguments
             if self.max_new_tokens is not None:
                 raise ValueError(f"--max-new-tokens is for text tasks; the toy task {self.task} answers in "
-                                 f"{DigitTask(self.task, self.digits).answer_len} tokens")
+                                 f"{task.answer_len} tokens")
             return
         if not self.model:
             raise ValueError(f"--task {self.task} is a text task: it needs --model DIR, a pretrained checkpoint with "
