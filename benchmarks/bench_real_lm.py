@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # the plain loop; this checkout
 
 from plain_pg_loop import held_out_evaluator, plain_pg_loop  # noqa: E402
 

@@ -18,15 +18,19 @@ training prompts (``TextTask.prompt_ids``), the same reward, and the same held-o
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from ppo_objectives._text_job import EVAL_SEED_OFFSET  # the job's held-out sampling stream
-from ppo_objectives.models import HFCausalLMAdapter
-from ppo_objectives.pretrained import load_tokenizer
-from ppo_objectives.text_tasks import TextTask, arithmetic_examples, evaluate, number_reward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
+
+from ppo_objectives._text_job import EVAL_SEED_OFFSET  # noqa: E402  the job's held-out sampling stream
+from ppo_objectives.models import HFCausalLMAdapter  # noqa: E402
+from ppo_objectives.pretrained import load_tokenizer  # noqa: E402
+from ppo_objectives.text_tasks import TextTask, arithmetic_examples, evaluate, number_reward  # noqa: E402
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1):

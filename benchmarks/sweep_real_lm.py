@@ -21,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # bench_real_lm; this checkout
 
 from bench_real_lm import DEFAULT_MODEL, run_job  # noqa: E402
 
