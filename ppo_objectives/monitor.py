@@ -138,8 +138,9 @@ class CollapseGuard:
             out["kl_spike"] = (f"kl_approx_max {g('kl_approx_max'):.2f} nats, largest token "
                                f"{g('kl_token_max'):.2f}{undone}")  # fmt: skip
         if self.since_progress >= self.stall_patience:
+            held_out = f", held-out greedy best {self.best_eval:.3f}" if math.isfinite(self.best_eval) else ""
             out["stall"] = (f"no progress for {self.since_progress} iterations (reward running mean best "
-                            f"{self.best:.3f}, held-out greedy best {self.best_eval:.3f})")
+                            f"{self.best:.3f}{held_out})")
         return out
 
     def _track_progress(self, row: dict) -> None:

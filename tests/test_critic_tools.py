@@ -181,6 +181,7 @@ def test_a_flat_run_is_flagged_as_a_stall_and_a_rising_or_solved_one_is_not():
     for it in range(1, 21):
         lines += guard.update(_row(it, 0.31))  # the tiny-Llama copy seed: 0.31 forever
     assert guard.stalls == 1 and any("STALL: no progress for 8 iterations" in line for line in lines)
+    assert not any("held-out" in line for line in lines)  # no evaluation ran: no "best -inf" to report
     rising = CollapseGuard(stall_patience=8)
     assert not any(rising.update(_row(it, 0.3 + 0.02 * it)) for it in range(1, 21))
     solved = CollapseGuard(stall_patience=8)
@@ -192,12 +193,13 @@ def test_a_flat_run_is_flagged_as_a_stall_and_a_rising_or_solved_one_is_not():
 
 def test_held_out_progress_resets_the_stall_and_progress_is_reported():
     guard = CollapseGuard(stall_patience=4)
-    flagged = []
+    flagged, lines = [], []
     for it in range(1, 12):
         row = _row(it, 0.2, eval_greedy=0.5 if it < 9 else 0.7)
-        lines = guard.update(row)
+        lines += guard.update(row)
         flagged.append(row["warn_stall"])
     assert flagged[4:8] == [1, 1, 1, 1] and flagged[8] == 0  # the held-out accuracy rose at iteration 9
+    assert any("STALL" in line and "held-out greedy best 0.500" in line for line in lines)
     state = guard.state_dict()
     other = CollapseGuard(stall_patience=4)
     other.load_state_dict(state)
