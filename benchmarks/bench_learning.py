@@ -26,8 +26,9 @@ a few iterations) and the goals must hold both times.
 machine load, and prints its table, its collapses and the ratio of iterations/s.
 
 Outputs under ``--out`` (default ``runs/bench_learning``): one folder per run,
-``summary.csv`` (one row per run) and ``learning.png`` (reward and response-length
-curves of every seed, one column per task; collapsed iterations marked).
+``summary.csv`` (one row per run) and ``learning.png`` (``--plot``: reward and response length
+per task, the median over seeds with its quartile and min-max bands, every seed faint, collapsed
+seeds in red).
 """
 
 from __future__ import annotations
@@ -163,7 +164,30 @@ def write_summary(results: list[dict], out: Path) -> None:
         w.writerows({k: r[k] for k in keys} for r in results)
 
 
+def _bands(runs: list[list[float]]) -> tuple[list[float], ...]:
+    """Per iteration over seeds: min, 25th percentile, median, 75th percentile, max."""
+    cols = list(zip(*runs))
+    quart = [statistics.quantiles(c, n=4, method="inclusive") if len(c) > 1 else [c[0]] * 3 for c in cols]
+    return ([min(c) for c in cols], [q[0] for q in quart], [q[1] for q in quart], [q[2] for q in quart],
+            [max(c) for c in cols])
+
+
+def _plot_signal(ax, task_runs: list[dict], key: str) -> None:
+    """One task's ``key`` curve: the median over seeds, the quartile and min-max bands, every seed faint."""
+    n = min(len(r["rows"]) for r in task_runs)
+    it = [x["iteration"] for x in task_runs[0]["rows"][:n]]
+    runs = [[x[key] for x in r["rows"][:n]] for r in task_runs]
+    for r, y in zip(task_runs, runs):
+        ax.plot(it, y, lw=0.5, alpha=0.9 if r["collapses"] else 0.25, color="red" if r["collapses"] else "grey")
+    lo, q1, med, q3, hi = _bands(runs)
+    ax.fill_between(it, lo, hi, color="C0", alpha=0.15, lw=0, label="min-max")
+    ax.fill_between(it, q1, q3, color="C0", alpha=0.35, lw=0, label="25-75%")
+    ax.plot(it, med, color="C0", lw=2, label="median")
+    ax.grid(alpha=0.3)
+
+
 def plot(results: list[dict], args, out: Path) -> Path:
+    """Reward and response length per task: median and bands over seeds (collapsed seeds in red)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,21 +195,19 @@ def plot(results: list[dict], args, out: Path) -> Path:
 
     fig, axes = plt.subplots(2, len(args.tasks), figsize=(5 * len(args.tasks), 7), squeeze=False, sharex=True)
     for col, task in enumerate(args.tasks):
-        for r in (r for r in results if r["task"] == task):
-            it = [x["iteration"] for x in r["rows"]]
-            style = dict(lw=0.8, alpha=0.8, color="red" if r["collapses"] else None)
-            axes[0, col].plot(it, [x["reward"] for x in r["rows"]], **style)
-            axes[1, col].plot(it, [x["response_len"] for x in r["rows"]], **style)
-        n_bad = sum(r["collapses"] > 0 for r in results if r["task"] == task)
-        axes[0, col].set_title(f"{task}: reward per seed ({n_bad} collapsed, red)")
+        task_runs = [r for r in results if r["task"] == task]
+        _plot_signal(axes[0, col], task_runs, "reward")
+        _plot_signal(axes[1, col], task_runs, "response_len")
+        n_bad = sum(r["collapses"] > 0 for r in task_runs)
+        axes[0, col].set_title(f"{task}: reward over {len(task_runs)} seeds ({n_bad} collapsed, red)")
         axes[0, col].set_ylim(-0.02, 1.02)
-        axes[1, col].set_title("response length")
+        axes[0, col].legend(loc="lower right")
+        axes[1, col].set_title("response length (tokens)")
+        axes[1, col].set_ylim(bottom=0)
         axes[1, col].set_xlabel("iteration")
-        for ax in axes[:, col]:
-            ax.grid(alpha=0.3)
     fig.suptitle(f"bench_learning: {args.seeds} seeds, threads={args.threads}, {_cpu_name()}")
     fig.tight_layout()
-    path = out / "learning.png"
+    path = Path(args.plot) if args.plot else out / "learning.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
@@ -204,6 +226,7 @@ def main(argv=None) -> int:
                    "'--lr 1e-3 --no-rollback' (the recipe before the trust-region fix)")
     p.add_argument("--baseline-seeds", type=int, default=4, help="seeds of the baseline recipe (the first K)")
     p.add_argument("--out", default="runs/bench_learning")
+    p.add_argument("--plot", default=None, help="where to draw the curves (default: OUT/learning.png)")
     p.add_argument("--quick", action="store_true", help="2 seeds x 40 iterations: a smoke test")
     p.add_argument("--reuse", action="store_true", help="read the runs already finished under --out (same "
                    "command) instead of running them again: an interrupted benchmark continues")
