@@ -23,6 +23,7 @@ that it can be read (and tested) on its own:
   under ``OUT/logs``, offline, that receives every row of ``metrics.csv``);
 * **optimizer snapshots** -- copies of the parameters and AdamW's state, put back
   in place when the trust region undoes a step;
+* **host memory** -- the C heap's free pages handed back to the system once per iteration;
 * **stderr lines** that do not break the progress bar.
 
 It is internal: the names are plain so :mod:`ppo_objectives.train` can import them,
@@ -34,6 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import ctypes
+import ctypes.util
+import functools
 import importlib.util
 import json
 import os
@@ -70,6 +74,7 @@ __all__ = [
     "make_logger",
     "param_checksums",
     "read_metrics",
+    "release_host_memory",
     "restore",
     "restore_rng_states",
     "restore_state",
@@ -735,6 +740,38 @@ def restore(snap, params, optimizers) -> None:
                     opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
                 else:  # the snapshot was taken before this parameter's first step
                     opt.state.pop(p, None)
+
+
+# --------------------------------------------------------------------------- #
+# Host memory
+# --------------------------------------------------------------------------- #
+
+
+@functools.cache
+def _glibc_malloc_trim():
+    """glibc's ``malloc_trim``, or ``None`` where the C library is not glibc (macOS, musl, Windows)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+def release_host_memory() -> bool:
+    """Hand the free pages of the C heap back to the system (glibc's ``malloc_trim(0)``); ``True`` when it ran.
+
+    A CPU iteration frees tensors of new shapes every time (response lengths; a text task's
+    ``[rows, tokens, 49152]`` logits), and glibc keeps the freed pages in its per-thread arenas
+    instead of returning them. Untrimmed, a SmolLM2 run on ``chat-add2`` grew by about half a gigabyte
+    per iteration until the kernel killed it at 24 GB after 37 iterations; trimmed once per
+    iteration it stays under 8 GB. It changes no number a run computes. Where the C library is
+    not glibc it does nothing and returns ``False``.
+    """
+    trim = _glibc_malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 # --------------------------------------------------------------------------- #

@@ -1355,6 +1355,7 @@ def _iteration(run: _Run, it: int) -> dict[str, float]:
     n_tok = roll.pop("tokens")
     if cfg.workers > 1:
         run.collector.update_policy_weights_()
+    _plumbing.release_host_memory()  # the rollout's and the update's freed host memory, back to the system
     return dict(iteration=it + 1, **roll, kl_coeff=float(coeff), rollout_s=t_ref - t0, reference_s=t1 - t_ref,
                 update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9), **stats)
 

@@ -225,3 +225,29 @@ def test_every_logged_metric_is_explained_in_the_module_docstring():
 def test_a_bad_trust_region_limit_is_a_clear_error(value):
     with pytest.raises(ValueError, match="early_stop_kl=.* must be a finite number >= 0"):
         T.TrainConfig(early_stop_kl=value)
+
+
+def test_each_iteration_hands_the_freed_host_memory_back(monkeypatch, tmp_path):
+    """glibc keeps freed heap pages; ``release_host_memory`` (called once per iteration) returns them."""
+    import os
+
+    from ppo_objectives import _plumbing
+
+    if _plumbing._glibc_malloc_trim() is None:
+        pytest.skip("the C library is not glibc: release_host_memory does nothing here")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    kept, freed = [], []
+    for i in range(4000):  # 64 KiB tensors, under glibc's mmap threshold: they live on the heap
+        (kept if i % 2 else freed).append(torch.ones(16384))
+    del freed  # 125 MiB freed between live tensors: nothing at the top of the heap to trim
+    before = rss()
+    assert _plumbing.release_host_memory()
+    assert before - rss() > 64 * 2**20
+    calls = []
+    monkeypatch.setattr(_plumbing, "release_host_memory", lambda: calls.append(1) or True)
+    T.train(T.TrainConfig(iterations=2, warmup_steps=0, num_envs=4, save_every=100, no_progress=True, out=str(tmp_path)))
+    assert len(calls) == 2
