@@ -59,40 +59,12 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
     gen = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    M, P = task.answer_len, task.prompt_len
     rows, train_s, it, next_eval = [dict(iteration=0, train_s=0.0, **evaluate_fn(model))], 0.0, 0, 60.0 * eval_minutes
     while train_s < 60.0 * minutes:
-        t0 = time.perf_counter()
-        # 1. sample: group_size completions of each of prompts_per_batch prompts
-        idx = torch.randint(len(task.examples), (prompts_per_batch,), generator=gen).repeat_interleave(group_size)
-        ids, mask = task.prompt_ids[idx], task.prompt_mask[idx].long()
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=M, do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, eos_token_id=task.eos_id,
-                                 pad_token_id=task.pad_id)
-        resp = out[:, P:]
-        R = resp.shape[1]
-        # valid response tokens: up to and including the first EOS
-        ended = (resp == task.eos_id).long().cumsum(1)
-        resp_mask = (ended - (resp == task.eos_id).long()) == 0
-        # 2. reward and group baseline
-        reward = task.score(task.completions(resp, resp_mask), idx)
-        adv = (reward.view(-1, group_size) - reward.view(-1, group_size).mean(1, keepdim=True)).view(-1)
-        t1 = time.perf_counter()
-        # 3. one policy-gradient step on the response tokens' log-probs (positions as generate used them)
-        full_mask = torch.cat([mask.bool(), resp_mask], 1)
-        positions = (full_mask.long().cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=out, attention_mask=full_mask.long(), position_ids=positions,
-                       logits_to_keep=R + 1).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, resp[..., None]).squeeze(-1)  # [B, R]
-        loss = -(adv[:, None] * logp * resp_mask).sum() / resp_mask.sum().clamp(min=1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        row = plain_pg_step(model, opt, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
         it += 1
-        t2 = time.perf_counter()
-        train_s += t2 - t0
-        row = dict(iteration=it, train_s=train_s, reward=float(reward.mean()), generate_s=t1 - t0, update_s=t2 - t1)
+        train_s += row["generate_s"] + row["update_s"]
+        row = dict(iteration=it, train_s=train_s, **row)
         if train_s >= next_eval or train_s >= 60.0 * minutes:
             next_eval = (train_s // (60.0 * eval_minutes) + 1) * 60.0 * eval_minutes
             row.update(evaluate_fn(model))
@@ -100,6 +72,42 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
+                  group_size: int = 4) -> dict:
+    """One iteration of the loop: ``{reward, generate_s, update_s, rows, response_tokens}``."""
+    t0 = time.perf_counter()
+    M, P = task.answer_len, task.prompt_len
+    # 1. sample: group_size completions of each of prompts_per_batch prompts
+    idx = torch.randint(len(task.examples), (prompts_per_batch,), generator=gen).repeat_interleave(group_size)
+    ids, mask = task.prompt_ids[idx], task.prompt_mask[idx].long()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=M, do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, eos_token_id=task.eos_id,
+                             pad_token_id=task.pad_id)
+    resp = out[:, P:]
+    R = resp.shape[1]
+    # valid response tokens: up to and including the first EOS
+    ended = (resp == task.eos_id).long().cumsum(1)
+    resp_mask = (ended - (resp == task.eos_id).long()) == 0
+    # 2. reward and group baseline
+    reward = task.score(task.completions(resp, resp_mask), idx)
+    adv = (reward.view(-1, group_size) - reward.view(-1, group_size).mean(1, keepdim=True)).view(-1)
+    t1 = time.perf_counter()
+    # 3. one policy-gradient step on the response tokens' log-probs (positions as generate used them)
+    full_mask = torch.cat([mask.bool(), resp_mask], 1)
+    positions = (full_mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=out, attention_mask=full_mask.long(), position_ids=positions,
+                   logits_to_keep=R + 1).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, resp[..., None]).squeeze(-1)  # [B, R]
+    loss = -(adv[:, None] * logp * resp_mask).sum() / resp_mask.sum().clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    t2 = time.perf_counter()
+    return dict(reward=float(reward.mean()), generate_s=t1 - t0, update_s=t2 - t1, rows=len(idx),
+                response_tokens=int(resp_mask.sum()))
 
 
 def main(argv=None) -> int:
