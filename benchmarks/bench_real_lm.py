@@ -122,8 +122,8 @@ def print_summary(results: list[dict]) -> None:
         print(f"\n## {task}: held-out greedy / sampled accuracy (first evaluation at or after the minute)")
         marks = [m for m in CHECKPOINTS if m <= rs[0]["minutes"]]
         print("| seed | side | before | " + " | ".join(f"{m:g} min" for m in marks)
-              + " | end | best (minute) | iterations | s / iteration (split) |")
-        print("|---|---|---|" + "---|" * len(marks) + "---|---|---|---|")
+              + " | end | best (minute) | iterations | s / iteration (split) | wall min |")
+        print("|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|")
         for r in rs:
             for side in ("job", "plain"):
                 s = r[side]
@@ -131,7 +131,7 @@ def print_summary(results: list[dict]) -> None:
                 split = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in s["split"].items())
                 print(f"| {r['seed']} | {side} | {_cell(s['evals'][0])} | " + " | ".join(cells)
                       + f" | {_cell(s['evals'][-1])} | {_best(s['evals'])} | {s['iterations']} | {s['iteration_s']:.1f} "
-                      f"({split}) |")
+                      f"({split}) | {r['wall_s'][side] / 60:.1f} |")
         print("\nratios job / plain (per seed): greedy accuracy at " + ", ".join(f"{m:g}" for m in marks)
               + " min; seconds per iteration")
         for r in rs:
