@@ -107,8 +107,12 @@ def instrument(run, clock: PhaseClock) -> None:
 
 def measure(args) -> tuple[list[dict], list[dict]]:
     """``(job phases per iteration, plain phases per iteration)``, warm-up iterations dropped."""
-    out = Path(tempfile.mkdtemp(prefix="bench_real_lm_split_"))
-    flags = ["--model", str(args.model), "--task", args.task, "--seed", str(args.seed), "--out", str(out),
+    with tempfile.TemporaryDirectory(prefix="bench_real_lm_split_") as out:  # the job's run_config.json
+        return _measure(args, out)
+
+
+def _measure(args, out: str) -> tuple[list[dict], list[dict]]:
+    flags = ["--model", str(args.model), "--task", args.task, "--seed", str(args.seed), "--out", out,
              "--iterations", str(args.iterations + 1), "--no-progress", "--threads", str(args.threads)]
     cfg = T.TrainConfig(**vars(T.build_parser().parse_args(flags)))
     if cfg.threads:

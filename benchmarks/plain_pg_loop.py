@@ -76,7 +76,7 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
 
 def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
                   group_size: int = 4) -> dict:
-    """One iteration of the loop: ``{reward, generate_s, update_s, rows, response_tokens}``."""
+    """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``."""
     t0 = time.perf_counter()
     M, P = task.answer_len, task.prompt_len
     # 1. sample: group_size completions of each of prompts_per_batch prompts
@@ -106,7 +106,7 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
     loss.backward()
     opt.step()
     t2 = time.perf_counter()
-    return dict(reward=float(reward.mean()), generate_s=t1 - t0, update_s=t2 - t1, rows=len(idx),
+    return dict(reward=float(reward.mean()), generate_s=t1 - t0, update_s=t2 - t1,
                 response_tokens=int(resp_mask.sum()))
 
 

@@ -763,7 +763,7 @@ def release_host_memory() -> bool:
     A CPU iteration frees tensors of new shapes every time (response lengths; a text task's
     ``[rows, tokens, 49152]`` logits), and glibc keeps the freed pages in its per-thread arenas
     instead of returning them. Untrimmed, a SmolLM2 run on ``chat-add2`` grew by about half a gigabyte
-    per iteration until the kernel killed it at 24 GB after 37 iterations; trimmed once per
+    per iteration until the kernel killed it at 24 GB after 35–36 iterations; trimmed once per
     iteration it stays under 8 GB. It changes no number a run computes. Where the C library is
     not glibc it does nothing and returns ``False``.
     """
