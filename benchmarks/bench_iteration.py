@@ -31,9 +31,11 @@ import time
 import torch
 
 from ppo_objectives import train as T
-from ppo_objectives.envs import DigitTask, TokenLMEnv
+from ppo_objectives.envs import DigitTask, TokenLMEnv, warm_start
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig, make_actor_critic, sample_with_kv_cache
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.policy import sample_with_kv_cache
+from ppo_objectives.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -139,11 +141,11 @@ def measure(num_envs, preset, device, iterations, seed=0):
     env = TokenLMEnv.from_task(task, num_envs=num_envs, device=device, seed=seed)
     P, M = env.prompt_len, env.max_new_tokens
     base = TinyCausalLM(TinyLMConfig.preset(preset, vocab_size=task.vocab_size, block_size=P + M)).to(device)
-    T.warm_start(base, task, 100, 3e-3, torch.Generator().manual_seed(seed), device)
+    warm_start(base, task, 100, 3e-3, torch.Generator().manual_seed(seed), device)
 
     # --- torchrl side
     ac = make_actor_critic(copy.deepcopy(base), P, entropy_grad=False)
-    ref = T.frozen_reference(ac.actor_model, P)
+    ref = frozen_reference(ac.actor_model, P)
     kl = KLPenaltyTransform(ref, coeff=FixedKLController(cfg.kl_coef), estimator="k1")
     gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=True, device=device)
     loss = TokenPPOLoss(ac.actor, ac.critic, clip_epsilon=cfg.clip_epsilon, clip_value=cfg.clip_value,

@@ -66,7 +66,7 @@ def _sync(device):
 def measure(num_envs: int, preset: str, digits: int, device: torch.device, repeats: int, policy: str, seed: int = 0):
     from torchrl.collectors import Collector
 
-    from ppo_objectives.train import warm_start
+    from ppo_objectives.envs import warm_start
 
     torch.manual_seed(seed)
     task = DigitTask("copy", digits)

@@ -25,19 +25,13 @@ from ppo_objectives.functional import (
     value_checks,
 )
 from ppo_objectives.critic_free import GroupAdvantage, ReinforcePlusPlus
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch, warm_start
 from ppo_objectives.layouts import ToLLMBatch
 from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch, bootstrap_from_next_turn
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
-from ppo_objectives.models import (
-    HFCausalLMAdapter,
-    NextTokenLogits,
-    TinyCausalLM,
-    TinyLMConfig,
-    make_actor,
-    make_actor_critic,
-    sample_with_kv_cache,
-)
+from ppo_objectives.models import HFCausalLMAdapter, TinyCausalLM, TinyLMConfig
+from ppo_objectives.policy import NextTokenLogits, make_actor, sample_with_kv_cache
+from ppo_objectives.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -92,15 +86,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-# The training job's pieces, imported on first use: importing ppo_objectives.train here would make
-# ``python -m ppo_objectives.train`` run a second copy of a module already imported (runpy warns).
-_FROM_TRAIN = ("frozen_reference", "warm_start")
-
-
-def __getattr__(name: str):
-    if name in _FROM_TRAIN:
-        from ppo_objectives import train
-
-        return getattr(train, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from tensordict.nn import TensorDictModule
 
-from ppo_objectives.models import ActorCritic
+from ppo_objectives.readouts import ActorCritic
 
 __all__ = [
     "Dist",

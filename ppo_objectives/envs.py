@@ -66,11 +66,13 @@ from torchrl.envs import EnvBase
 
 from ppo_objectives import _validate
 from ppo_objectives.layouts import trajectories_to_llm_batch  # re-exported: its old import path
+from ppo_objectives.readouts import ResponseLogProbs
 
 __all__ = [
     "DigitTask",
     "TokenLMEnv",
     "trajectories_to_llm_batch",
+    "warm_start",
 ]
 
 RewardFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -229,6 +231,32 @@ class DigitTask:
         counted = target != self.PAD
         hits = ((resp == target) & counted).sum(-1).float()
         return hits / counted.sum(-1).float()
+
+
+def warm_start(model: torch.nn.Module, task: DigitTask, steps: int, lr: float, generator: torch.Generator,
+               device) -> float:
+    """Supervised warm start on the answer *format*: prompt, then random digits of the answer's
+    length, then EOS. Teaches "K digits and stop", not which digits. Returns the last loss.
+
+    The training job runs it before PPO on a digit task (``--warmup-steps``, ``--warmup-lr``);
+    ``model`` is the actor's causal LM, trained in place with AdamW on batches of 64."""
+    if steps <= 0:
+        return float("nan")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    P, K1 = task.prompt_len, task.answer_len
+    head = ResponseLogProbs(model, P, return_entropy=False)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        prompts = task.sample_prompts(64, generator)  # [64, P], left-padded
+        digits = torch.randint(10, (64, K1 - 1), generator=generator) + 2
+        resp = torch.cat([digits, torch.full((64, 1), task.EOS)], 1)
+        ids = torch.cat([prompts, resp], 1).to(device)
+        mask = torch.cat([prompts != task.PAD, torch.ones_like(resp, dtype=torch.bool)], 1).to(device)
+        loss = -head(ids, mask).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
 
 
 # --------------------------------------------------------------------------- #

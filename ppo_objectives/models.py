@@ -16,8 +16,8 @@ package's one way into a Hugging Face module: the adapter and the
 full-sequence read-outs (:class:`~ppo_objectives.readouts.CausalLMCritic`,
 :class:`~ppo_objectives.readouts.CausalLMTokenLogProbs`) all call them.
 
-What is built on these models lives one layer up, and stays importable from
-here (``from ppo_objectives.models import make_actor_critic`` keeps working):
+What is built on these models lives one layer up (importing one of those
+names from here raises an error that names its module):
 
 - :mod:`ppo_objectives.policy`: the env policy with a per-row KV cache
   (``NextTokenLogits``, ``make_actor``) and ``sample_with_kv_cache``.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -61,45 +60,34 @@ from ppo_objectives import _validate
 
 __all__ = [
     "PRESETS",
-    "ActorCritic",
     "HFCausalLMAdapter",
     "KVCache",
     "LMOutput",
-    "NextTokenLogits",
-    "ResponseLogProbs",
-    "ResponseValues",
     "TinyCausalLM",
     "TinyLMConfig",
     "hf_decoder",
     "hf_forward",
-    "make_actor",
-    "make_actor_critic",
     "position_ids_from_mask",
-    "sample_with_kv_cache",
 ]
 
-#: Names defined one layer up and re-exported here (lazily: those modules import this one).
-_MOVED = {
-    "NextTokenLogits": "ppo_objectives.policy",
-    "make_actor": "ppo_objectives.policy",
-    "sample_with_kv_cache": "ppo_objectives.policy",
-    "ActorCritic": "ppo_objectives.readouts",
-    "ResponseLogProbs": "ppo_objectives.readouts",
-    "ResponseValues": "ppo_objectives.readouts",
-    "make_actor_critic": "ppo_objectives.readouts",
+#: The names built on these models, one layer up, and their modules: imported from here they raise an
+#: ``ImportError`` that names the module (this module imports neither: they import it).
+_HOMES = {
+    "NextTokenLogits": "policy",
+    "make_actor": "policy",
+    "sample_with_kv_cache": "policy",
+    "ActorCritic": "readouts",
+    "ResponseLogProbs": "readouts",
+    "ResponseValues": "readouts",
+    "make_actor_critic": "readouts",
 }
 
 
 def __getattr__(name: str):
-    if name in _MOVED:
-        value = getattr(importlib.import_module(_MOVED[name]), name)
-        globals()[name] = value  # later lookups skip this hook
-        return value
+    if name in _HOMES:
+        raise ImportError(f"{name} is not in ppo_objectives.models: it is built on these models one layer up; "
+                          f"use from ppo_objectives.{_HOMES[name]} import {name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MOVED))
 
 # --------------------------------------------------------------------------- #
 # Config and presets

@@ -7,8 +7,7 @@ next token from ``Categorical(logits)`` (:class:`NextTokenLogits`) and writes
 ``action`` and ``sample_log_prob``. :func:`sample_with_kv_cache` is the plain
 batched sampling loop the env + collector path is timed against. The models
 are in :mod:`ppo_objectives.models`; the training-time read-outs in
-:mod:`ppo_objectives.readouts`. All three names are importable from
-:mod:`ppo_objectives.models` too.
+:mod:`ppo_objectives.readouts`.
 
 Shape letters: ``N``: env rows; ``S``: the env's token-buffer length (prompt
 width ``P`` + ``max_new_tokens``), the KV-cache length; ``B``: rows of a

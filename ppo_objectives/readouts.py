@@ -30,8 +30,8 @@ module                               positions                         model
 :func:`ppo_objectives.policy.make_actor`) for the response layout; it is what
 ``ppo_objectives/train.py`` runs. The second pair reads the full-sequence
 layout of TorchRL's LLM stack (also importable from
-:mod:`ppo_objectives.llm_interop`). Every name but the helpers is importable
-from :mod:`ppo_objectives.models` too.
+:mod:`ppo_objectives.llm_interop`). :func:`frozen_reference` is the job's
+reference policy: a frozen copy of the actor's LM read out like the actor.
 
 Shape letters: ``B`` rows; ``P`` prompt width (left-padded prompts); ``R``
 response length; ``T`` tokens per row; ``H`` hidden size; ``V`` vocabulary.
@@ -62,6 +62,7 @@ __all__ = [
     "ResponseLogProbs",
     "ResponseValues",
     "SharedForward",
+    "frozen_reference",
     "lm_head_parameters",
     "make_actor_critic",
     "read_log_probs",
@@ -529,6 +530,52 @@ def make_actor_critic(
     actor = TensorDictModule(log_probs, in_keys=["input_ids", "attention_mask"], out_keys=[log_prob_key, entropy_key])
     critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
     return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
+
+
+def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: torch.dtype | None = None,
+                     copy_model: bool = True) -> TensorDictModule:
+    """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
+    and without gradients, read out as per-token log-probabilities of the response.
+
+    Args:
+        actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
+            (after the warm start): later optimizer steps of the actor do not move the copy.
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        dtype: convert the reference's weights to it (``torch.bfloat16`` under ``--dtype bfloat16``)
+            and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
+        copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
+            checkpoint loaded again under ``--model``) instead of a ``copy.deepcopy``.
+
+    Returns:
+        A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
+        writing ``log_prob`` (``[B, R]``): the reference
+        :class:`~ppo_objectives.transforms.KLPenaltyTransform` takes. Its copy of the network is
+        ``ref.module.model``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> ref = frozen_reference(lm, prompt_len=3)
+        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
+        ...                 batch_size=[2])
+        >>> ref(td)["log_prob"].shape
+        torch.Size([2, 4])
+        >>> ref.module.model is lm, any(p.requires_grad for p in ref.parameters())
+        (False, False)
+    """
+    if isinstance(actor_model, TensorDictModuleBase) or not isinstance(actor_model, torch.nn.Module):
+        raise TypeError(
+            f"frozen_reference: actor_model must be the causal LM (ActorCritic.actor_model, e.g. a TinyCausalLM or "
+            f"an HFCausalLMAdapter), got {type(actor_model).__name__}; pass ac.actor_model, not the TensorDict "
+            f"read-out ac.actor"
+        )
+    ref = (copy.deepcopy(actor_model) if copy_model else actor_model).eval().requires_grad_(False)
+    if dtype is not None:
+        ref = ref.to(dtype)
+        ref.autocast_dtype = None  # its weights are in dtype already
+    return TensorDictModule(
+        ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
+    )
 
 
 # --------------------------------------------------------------------------- #

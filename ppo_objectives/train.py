@@ -259,7 +259,6 @@ snapshots -- is in the internal module ``ppo_objectives/_plumbing.py``.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
@@ -271,15 +270,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from tensordict.nn import TensorDictModule
 
 from ppo_objectives import _plumbing, _text_job, _validate
 from ppo_objectives import functional as F
 from ppo_objectives._plumbing import read_metrics  # public through this module
 from ppo_objectives._text_job import EVAL_COLUMNS, TEXT_TASKS
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch, warm_start
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import ActorCritic, ResponseLogProbs, TinyCausalLM, TinyLMConfig, make_actor_critic
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.readouts import ActorCritic, frozen_reference, make_actor_critic
 from ppo_objectives.monitor import FLAGS, CollapseGuard
 from ppo_objectives.monitor import plot_metrics as _plot
 from ppo_objectives.pretrained import load_causal_lm, load_policy_model
@@ -290,9 +290,8 @@ from ppo_objectives.value import MaskedGAE
 
 __all__ = [
     "RECIPES", "RESUME_MAY_CHANGE", "TrainConfig", "TrainingCollapseWarning", "build_parser", "check_launch",
-    "collect_batch", "frozen_reference", "main",
+    "collect_batch", "main",
     "make_collector", "plot_metrics", "ppo_update", "read_metrics", "rollout_batch", "score_batch", "train",
-    "warm_start",
 ]  # fmt: skip
 
 METRICS = (
@@ -712,74 +711,6 @@ def _check_resumed_model(ckpt: dict, cfg: TrainConfig, out: Path) -> None:
 
 _AUTOCAST_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> autocast_dtype of actor and critic
 _REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> the frozen reference's weights
-
-
-def warm_start(model: TinyCausalLM, task: DigitTask, steps: int, lr: float, generator: torch.Generator, device) -> float:
-    """Supervised warm start on the answer *format*: prompt, then random digits of the answer's
-    length, then EOS. Teaches "K digits and stop", not which digits. Returns the last loss."""
-    if steps <= 0:
-        return float("nan")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    P, K1 = task.prompt_len, task.answer_len
-    head = ResponseLogProbs(model, P, return_entropy=False)
-    loss = torch.zeros(())
-    for _ in range(steps):
-        prompts = task.sample_prompts(64, generator)  # [64, P], left-padded
-        digits = torch.randint(10, (64, K1 - 1), generator=generator) + 2
-        resp = torch.cat([digits, torch.full((64, 1), task.EOS)], 1)
-        ids = torch.cat([prompts, resp], 1).to(device)
-        mask = torch.cat([prompts != task.PAD, torch.ones_like(resp, dtype=torch.bool)], 1).to(device)
-        loss = -head(ids, mask).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return float(loss.detach())
-
-
-def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: torch.dtype | None = None,
-                     copy_model: bool = True) -> TensorDictModule:
-    """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
-    and without gradients, read out as per-token log-probabilities of the response.
-
-    Args:
-        actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
-            (after the warm start): later optimizer steps of the actor do not move the copy.
-        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
-        dtype: convert the reference's weights to it (``torch.bfloat16`` under ``--dtype bfloat16``)
-            and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
-        copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
-            checkpoint loaded again under ``--model``) instead of a ``copy.deepcopy``.
-
-    Returns:
-        A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
-        writing ``log_prob`` (``[B, R]``): the reference
-        :class:`~ppo_objectives.transforms.KLPenaltyTransform` takes. Its copy of the network is
-        ``ref.module.model``.
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
-        >>> ref = frozen_reference(lm, prompt_len=3)
-        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
-        ...                 batch_size=[2])
-        >>> ref(td)["log_prob"].shape
-        torch.Size([2, 4])
-        >>> ref.module.model is lm, any(p.requires_grad for p in ref.parameters())
-        (False, False)
-    """
-    if isinstance(actor_model, TensorDictModuleBase) or not isinstance(actor_model, torch.nn.Module):
-        raise TypeError(
-            f"frozen_reference: actor_model must be the causal LM (ActorCritic.actor_model, e.g. a TinyCausalLM or "
-            f"an HFCausalLMAdapter), got {type(actor_model).__name__}; pass ac.actor_model, not the TensorDict "
-            f"read-out ac.actor"
-        )
-    ref = (copy.deepcopy(actor_model) if copy_model else actor_model).eval().requires_grad_(False)
-    if dtype is not None:
-        ref = ref.to(dtype)
-        ref.autocast_dtype = None  # its weights are in dtype already
-    return TensorDictModule(
-        ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
-    )
 
 
 def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictModule, ref: TensorDictModule,

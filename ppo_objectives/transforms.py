@@ -347,7 +347,7 @@ class KLPenaltyTransform(Transform):
             )
         with torch.no_grad():
             out = self.ref_model(tensordict.copy())
-        fix = f"it must output the per-token log-probs of the sampled tokens (set_keys(ref_model_log_prob=...) to its out key)"
+        fix = "it must output the per-token log-probs of the sampled tokens (set_keys(ref_model_log_prob=...) to its out key)"
         return TD.require(out, k.ref_model_log_prob, module="KLPenaltyTransform", what="the ref_model output", fix=fix).detach()
 
     def _log_prob(self, tensordict: TensorDictBase) -> Tensor:

@@ -55,15 +55,9 @@ from ppo_objectives.llm_interop import (
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import (
-    NextTokenLogits,
-    ResponseLogProbs,
-    ResponseValues,
-    TinyCausalLM,
-    TinyLMConfig,
-    make_actor_critic,
-    sample_with_kv_cache,
-)
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.policy import NextTokenLogits, sample_with_kv_cache
+from ppo_objectives.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -1583,7 +1577,7 @@ warns("TokenPPOLoss-dr-grpo-token-mean", "composition",
 warns("GroupAdvantage-every-group-a-singleton", "composition", _singleton_groups,
       UserWarning, r"every group in this batch of 4 responses has one response.*group_size")
 refuse("frozen_reference-of-the-read-out", "composition",
-       lambda: __import__("ppo_objectives.train").train.frozen_reference(_factory().actor, 4),
+       lambda: frozen_reference(_factory().actor, 4),
        TypeError, r"actor_model must be the causal LM.*pass ac\.actor_model, not the TensorDict read-out ac\.actor")
 refuse("assert_mask_invariant-dropout-in-train-mode", "composition", _dropout_module,
        AssertionError, r"not deterministic.*dropout in training mode.*module\.eval\(\)")

@@ -312,7 +312,8 @@ def test_to_llm_batch_as_collector_postproc_gives_the_loss_layout_with_the_rewar
     import ppo_objectives
     from ppo_objectives import layouts
     from ppo_objectives.loss import TokenPPOLoss
-    from ppo_objectives.models import TinyLMConfig, make_actor_critic
+    from ppo_objectives.models import TinyLMConfig
+    from ppo_objectives.readouts import make_actor_critic
     from ppo_objectives.transforms import KLPenaltyTransform
     from ppo_objectives.value import MaskedGAE
 

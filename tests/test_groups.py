@@ -10,7 +10,8 @@ from torchrl.collectors import Collector
 from ppo_objectives import GroupAdvantage, ToLLMBatch
 from ppo_objectives import train as T
 from ppo_objectives.envs import DigitTask, TokenLMEnv
-from ppo_objectives.models import TinyLMConfig, make_actor_critic
+from ppo_objectives.models import TinyLMConfig
+from ppo_objectives.readouts import make_actor_critic
 
 TASK = DigitTask("reverse", 3)
 

@@ -579,7 +579,8 @@ def _factory_batch():
     """A response-layout batch made by the package's own pieces: env + collector postproc, critic, KL, GAE."""
     from ppo_objectives.envs import DigitTask, TokenLMEnv
     from ppo_objectives.layouts import ToLLMBatch
-    from ppo_objectives.models import TinyLMConfig, make_actor_critic
+    from ppo_objectives.models import TinyLMConfig
+    from ppo_objectives.readouts import make_actor_critic
     from ppo_objectives.transforms import KLPenaltyTransform
 
     torch.manual_seed(0)

@@ -7,7 +7,8 @@ import torch
 from ppo_objectives import pretrained as PT
 from ppo_objectives import train as T
 from ppo_objectives.envs import DigitTask, TokenLMEnv
-from ppo_objectives.models import HFCausalLMAdapter, TinyCausalLM, TinyLMConfig, make_actor_critic
+from ppo_objectives.models import HFCausalLMAdapter, TinyCausalLM, TinyLMConfig
+from ppo_objectives.readouts import make_actor_critic
 from ppo_objectives.policy import NextTokenLogits
 
 pytest.importorskip("transformers")

@@ -9,7 +9,8 @@ import torch
 from ppo_objectives import train as T
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyLMConfig, make_actor_critic
+from ppo_objectives.models import TinyLMConfig
+from ppo_objectives.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
@@ -22,7 +23,7 @@ def _pieces(seed=0, num_envs=16, **cfg_kw):
     task = DigitTask("reverse", 3)
     env = TokenLMEnv.from_task(task, num_envs=num_envs, seed=seed)
     ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=env.seq_len), env.prompt_len)
-    ref = T.frozen_reference(ac.actor_model, env.prompt_len)
+    ref = frozen_reference(ac.actor_model, env.prompt_len)
     kl = KLPenaltyTransform(ref, coeff=FixedKLController(0.02))
     gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)
     loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
-from torchrl.data import Bounded, Categorical, Composite, LazyTensorStorage, ReplayBuffer, Unbounded
+from torchrl.data import Bounded, Categorical, Composite, LazyTensorStorage, ReplayBuffer
 from torchrl.envs import EnvBase, TransformedEnv
 
 from ppo_objectives import AdaptiveKLController, KLPenaltyTransform

@@ -26,7 +26,8 @@ from torchrl.collectors import Collector  # TorchRL 0.14's name for SyncDataColl
 from ppo_objectives import frozen_reference, warm_start
 from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig, make_actor_critic
+from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.readouts import make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value import MaskedGAE
 
