@@ -127,13 +127,18 @@ def test_adaptive_kl_controller_follows_the_losses_kl_ref():
 
 
 def test_input_batch_survives_the_whole_pipeline_unchanged():
+    """The loss reads the batch it is given (not a copy) and writes nothing into it, nor into a buffer's storage."""
     actor, critic, reference = make_nets(seed=2)
     batch = rollout(actor, critic, reference, seed=2)
     snapshot = batch.clone()
+    loss = TokenPPOLoss(actor, critic)
+    loss(batch)
+    assert set(batch.keys(True, True)) == set(snapshot.keys(True, True)) and (batch == snapshot).all()
     rb = ReplayBuffer(storage=LazyTensorStorage(B), sampler=SamplerWithoutReplacement(), batch_size=MB)
     rb.extend(batch)
-    TokenPPOLoss(actor, critic)(rb.sample())
-    assert (batch == snapshot).all()
+    stored = rb.storage.get(slice(None)).clone()
+    loss(rb.sample())
+    assert (rb.storage.get(slice(None)) == stored).all() and (batch == snapshot).all()
 
 
 @pytest.mark.parametrize("layout", ["response", "full"])

@@ -159,11 +159,13 @@ def test_critic_only_warmup_leaves_the_actor_unchanged(tmp_path):
         rows = T.train(cfg)
         return rows, torch.load(tmp_path / str(critic_warmup) / "checkpoint.pt", weights_only=False)
 
+    # the actor's log-probs of the update equal the rollout's up to rounding: the rollout reads them from the
+    # KV-cached forward, the update from a full one, and some CPUs round the two differently (4.7e-15 seen)
     rows, _ = run(1)
-    assert rows[0]["kl_approx_max"] == 0.0 and rows[0]["updates"] > 0 and rows[0]["grad_norm"] == 0.0
-    assert rows[1]["kl_approx_max"] > 0.0  # the actor moves from iteration 2 on
+    assert rows[0]["kl_approx_max"] < 1e-12 and rows[0]["updates"] > 0 and rows[0]["grad_norm"] == 0.0
+    assert rows[1]["kl_approx_max"] > 1e-6  # the actor moves from iteration 2 on
     plain, _ = run(0)
-    assert plain[0]["kl_approx_max"] > 0.0
+    assert plain[0]["kl_approx_max"] > 1e-6
 
 
 # --------------------------------------------------------------------------- #

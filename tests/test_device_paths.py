@@ -1,7 +1,8 @@
-"""The training job on a local checkpoint on every available device (CPU here, CUDA as well on a GPU machine).
+"""The training job on a local checkpoint on CUDA (skipped without a GPU).
 
-The test takes the ``device`` fixture (``tests/conftest.py``), so ``pytest -m cuda`` selects its
-CUDA case and ``benchmarks/gpu_check.sh`` runs it. The kernels under it are device-parametrised
+The CPU run of the same job (bf16 autocast, activation checkpointing) is
+``tests/test_pretrained.py::test_the_job_in_bfloat16_keeps_float32_master_weights_and_a_bf16_reference``;
+this one is marked ``cuda``, so ``pytest -m cuda`` selects it and ``benchmarks/gpu_check.sh`` runs it. The kernels under it are device-parametrised
 where they are tested: the hidden-state log-probs in float32 and bf16
 (``tests/test_logprobs_hidden.py``) and the Hugging Face per-row KV cache
 (``tests/test_hf_cache.py``).
@@ -20,7 +21,9 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_the_job_on_a_checkpoint_in_bfloat16_with_activation_checkpointing(device, tmp_path):
+@pytest.mark.cuda
+def test_the_job_on_a_checkpoint_in_bfloat16_with_activation_checkpointing(tmp_path):
+    device = torch.device("cuda")
     path = PT.write_tiny_checkpoint(tmp_path / "ckpt", "qwen2", task=DigitTask("reverse", 3), hidden_size=32,
                                     num_layers=1, num_heads=4, num_kv_heads=2)
     out = tmp_path / "run"

@@ -21,7 +21,7 @@ from ppo_objectives.envs import TokenLMEnv
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.readouts import make_actor_critic
 from test_train import SMALL, _pieces
-from test_train_distributed import _params, _rollout, _torchrun
+from test_train_distributed import _params, _rollout
 
 WORLD = 2
 # One AdamW step of LR from the seed-0 networks on both ranks' rows takes kl_approx to 0.024; 1/2, 1/4 and
@@ -276,15 +276,14 @@ def test_hugging_face_llama_decoder_layers_are_sharded_with_the_unsharded_gradie
 
 
 @pytest.fixture(scope="module")
-def torchrun_fsdp(tmp_path_factory):
-    """--fsdp: 1 iteration, then --resume to 2; the DDP job of the same flags, 2 iterations in one go."""
-    tmp = tmp_path_factory.mktemp("torchrun_fsdp")
-    fsdp, ddp = tmp / "fsdp", tmp / "ddp"
-    first, _ = _torchrun(fsdp, 1, "--fsdp", "--no-plot")
+def torchrun_fsdp(torchrun, torchrun_jobs, tmp_path_factory):
+    """--fsdp: 1 iteration, then --resume to 2; the DDP job of the same flags, 2 iterations in one go (the
+    session's ``torchrun_jobs["two"]``)."""
+    fsdp = tmp_path_factory.mktemp("torchrun_fsdp") / "fsdp"
+    first, _ = torchrun(fsdp, 1, "--fsdp", "--no-plot")
     fsdp_rows = T.read_metrics(fsdp / "metrics.csv")
-    resumed, _ = _torchrun(fsdp, 2, "--fsdp", "--no-plot", "--resume")
-    _torchrun(ddp, 2, "--no-plot")
-    return fsdp, ddp, fsdp_rows, (first, resumed)
+    resumed, _ = torchrun(fsdp, 2, "--fsdp", "--no-plot", "--resume")
+    return fsdp, torchrun_jobs["two"][0], fsdp_rows, (first, resumed)
 
 
 @pytest.mark.slow

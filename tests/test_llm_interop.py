@@ -24,7 +24,6 @@ from torchrl.envs.llm import ChatEnv  # noqa: E402
 from torchrl.envs.llm.transforms import RetrieveKL  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
 
-from ppo_objectives import functional as F  # noqa: E402
 from ppo_objectives.llm_interop import (  # noqa: E402
     CausalLMCritic,
     CausalLMTokenLogProbs,

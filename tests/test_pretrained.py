@@ -421,11 +421,9 @@ def test_untied_lm_head_tells_which_critic_trunks_have_a_head_that_takes_no_grad
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_trains_an_untied_checkpoint(ckpt, tmp_path):
+def test_torchrun_ddp_trains_an_untied_checkpoint(ckpt, tmp_path, torchrun):
     # the critic trunk's untied LM head takes no gradient: DDP must look for unused parameters (it stopped
     # at the second backward without), and only there
-    from test_train_distributed import _torchrun
-
-    proc, _ = _torchrun(tmp_path / "run", 2, "--model", str(ckpt("llama")), "--no-plot")
+    proc, _ = torchrun(tmp_path / "run", 2, "--model", str(ckpt("llama")), "--no-plot")
     assert "parameters identical on all 2 ranks" in proc.stderr
     assert [r["iteration"] for r in T.read_metrics(tmp_path / "run" / "metrics.csv")] == [1.0, 2.0]

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from tensordict import TensorDict
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives.value import GAE
 
 from ppo_objectives import KLPenaltyTransform, MaskedGAE, TokenPPOLoss

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,14 +19,7 @@ from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss
 from test_train import SMALL, _pieces
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _params(ac) -> torch.Tensor:
@@ -319,30 +307,8 @@ def test_parameter_drift_between_ranks_is_detected(ddp_update):
 # --------------------------------------------------------------------------- #
 
 
-def _torchrun(out, iterations, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "ppo_objectives.train", "--iterations", str(iterations), "--out", str(out), "--early-stop-kl", "0",
-           *SMALL, *extra]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), MPLBACKEND="Agg")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, time.perf_counter() - t0
-
-
-@pytest.fixture(scope="module")
-def torchrun_runs(tmp_path_factory):
-    """3 iterations in one go; 2 iterations, then --resume to 3 (each with its own torchrun)."""
-    tmp = tmp_path_factory.mktemp("torchrun")
-    full, split = tmp / "full", tmp / "split"
-    proc, wall = _torchrun(full, 3, "--save-every", "2")
-    _torchrun(split, 2, "--no-plot")
-    _torchrun(split, 3, "--no-plot", "--resume")
-    return full, split, proc, wall
-
-
-def test_torchrun_two_processes_trains_in_sync_writes_once_and_exits(torchrun_runs):
-    out, _, proc, wall = torchrun_runs
+def test_torchrun_two_processes_trains_in_sync_writes_once_and_exits(torchrun_jobs):
+    out, proc, wall = torchrun_jobs["full"]
     assert wall < 60, f"torchrun took {wall:.0f}s"
     assert "parameters identical on all 2 ranks" in proc.stderr  # checked exactly by the job itself
     assert "find_unused_parameters" not in proc.stderr  # a tied TinyCausalLM critic: DDP searches for nothing
@@ -359,8 +325,8 @@ def test_torchrun_two_processes_trains_in_sync_writes_once_and_exits(torchrun_ru
     assert (out / "training.png").stat().st_size > 0 and not list(out.glob("*.tmp*"))
 
 
-def test_torchrun_resume_continues_exactly_on_every_rank(torchrun_runs):
-    full, split, _, _ = torchrun_runs
+def test_torchrun_resume_continues_exactly_on_every_rank(torchrun_jobs):
+    full, split = torchrun_jobs["full"][0], torchrun_jobs["split"][0]
     a, b = T.read_metrics(full / "metrics.csv"), T.read_metrics(split / "metrics.csv")
     assert [r["iteration"] for r in b] == [1.0, 2.0, 3.0]
     # iteration 3 after the resume needs both ranks' RNG states back (rank 1's rollout is in the numbers)

@@ -2,12 +2,7 @@
 
 import importlib.util
 import re
-import os
 import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +10,6 @@ import pytest
 from ppo_objectives import _plumbing
 from ppo_objectives import train as T
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress", "--no-plot"]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 needs_tensorboard = pytest.mark.skipif(
@@ -86,17 +80,9 @@ def test_resume_logs_on_from_the_checkpoint_and_drops_what_was_logged_after_it(t
 
 
 @pytest.mark.slow
-def test_under_torchrun_rank_0_alone_logs(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           "-m", "ppo_objectives.train", "--iterations", "2", "--out", str(out), *SMALL, "--logger", "csv"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [p.name for p in (out / "logs").iterdir()] == ["run"]
+def test_under_torchrun_rank_0_alone_logs(torchrun_jobs):
+    out = torchrun_jobs["full"][0]  # 3 iterations on 2 ranks with --logger csv
+    assert [p.name for p in (out / "logs").iterdir()] == [out.name]
     assert _csv_scalars(out) == _expected(T.read_metrics(out / "metrics.csv"))  # each step once, not per rank
 
 
