@@ -195,6 +195,7 @@ def fsdp_ranks():
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_every_parameter_is_split_between_the_ranks(fsdp_ranks):
     a, b = (res["shards"] for res in fsdp_ranks)
     assert [s[0] for s in a] == [s[0] for s in b] and len(a) > 10
@@ -208,6 +209,7 @@ def test_every_parameter_is_split_between_the_ranks(fsdp_ranks):
     assert fsdp_ranks[0]["wrappers"] == 0  # nothing to free: the modules themselves are sharded
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_rollout_runs_on_the_gathered_actor_with_any_number_of_forwards_per_rank(fsdp_ranks):
     for res in fsdp_ranks:  # rank 0 made 1 forward, rank 1 made 3: no collective per forward, no hang
         assert res["types_inside"] == {"Parameter"} and res["types_after"] == {"DTensor"}
@@ -215,6 +217,7 @@ def test_rollout_runs_on_the_gathered_actor_with_any_number_of_forwards_per_rank
         torch.testing.assert_close(res["sharded_logits"], res["unsharded_logits"], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_fsdp_update_on_two_ranks_equals_one_process_on_the_concatenated_batch(fsdp_ranks):
     assert torch.equal(fsdp_ranks[0]["params"], fsdp_ranks[1]["params"])  # gathered: one model
     ac = _pieces(seed=0)[3]  # one process, the same networks, both ranks' rows
@@ -239,6 +242,7 @@ def test_fsdp_update_on_two_ranks_equals_one_process_on_the_concatenated_batch(f
     assert fsdp_ranks[0]["steps"] == fsdp_ranks[1]["steps"] == [stats["updates"]]
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_checkpoint_entries_gather_full_state_on_rank_0_and_load_back_on_every_rank(fsdp_ranks):
     state = fsdp_ranks[0]["state"]
     ac = _pieces(seed=0)[3]
@@ -257,12 +261,14 @@ def test_checkpoint_entries_gather_full_state_on_rank_0_and_load_back_on_every_r
     assert fsdp_ranks[1]["state_empty_off_rank_0"] and not fsdp_ranks[0]["state_empty_off_rank_0"]
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_non_finite_loss_on_one_rank_skips_the_step_on_every_rank_under_fsdp(fsdp_ranks):
     for res in fsdp_ranks:
         assert res["nan_stats"]["skipped_steps"] == 3 and res["nan_stats"]["updates"] == 0
         assert res["nan_params_unchanged"]
 
 
+@pytest.mark.slow  # two spawned ranks (the module's fsdp_ranks: about 10 s)
 def test_hugging_face_llama_decoder_layers_are_sharded_with_the_unsharded_gradient(fsdp_ranks):
     for res in fsdp_ranks:
         assert res["hf_blocks"] == ["LlamaDecoderLayer", "LlamaDecoderLayer"]

@@ -307,6 +307,7 @@ def test_parameter_drift_between_ranks_is_detected(ddp_update):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_trains_in_sync_writes_once_and_exits(torchrun_jobs):
     out, proc, wall = torchrun_jobs["full"]
     assert wall < 60, f"torchrun took {wall:.0f}s"
@@ -325,6 +326,7 @@ def test_torchrun_two_processes_trains_in_sync_writes_once_and_exits(torchrun_jo
     assert (out / "training.png").stat().st_size > 0 and not list(out.glob("*.tmp*"))
 
 
+@pytest.mark.slow
 def test_torchrun_resume_continues_exactly_on_every_rank(torchrun_jobs):
     full, split = torchrun_jobs["full"][0], torchrun_jobs["split"][0]
     a, b = T.read_metrics(full / "metrics.csv"), T.read_metrics(split / "metrics.csv")

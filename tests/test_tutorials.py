@@ -40,6 +40,7 @@ def shared_interpreter_runs(request, tmp_path_factory) -> dict:
     return json.loads(report.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs(script, tmp_path, shared_interpreter_runs):
     if script.stem in OWN_INTERPRETER:
