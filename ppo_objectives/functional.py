@@ -1097,18 +1097,6 @@ def aggregate_loss(
 # --------------------------------------------------------------------------- #
 
 
-class _Stats(dict):
-    """The statistics of :func:`ppo_policy_loss`; a name of an earlier version raises a ``KeyError`` naming the new one."""
-
-    RENAMED = {"approx_kl": "kl_approx", "approx_kl_max": "kl_approx_token_max", "ratio_mean": "mean_ratio",
-               "ratio_max": "max_ratio", "ess": "ESS"}  # fmt: skip
-
-    def __missing__(self, key):
-        if key in self.RENAMED:
-            raise KeyError(f"ppo_policy_loss statistic {key!r} is now {self.RENAMED[key]!r} (TorchRL's name)")
-        raise KeyError(key)
-
-
 def ppo_policy_loss(
     new_logps: Tensor,
     old_logps: Tensor,
@@ -1166,8 +1154,7 @@ def ppo_policy_loss(
             ``ESS`` (normalised effective sample size of the ratios,
             ``(sum w)^2 / (n sum w^2)``, 1 when all ratios are equal) and
             ``dual_clip_fraction``. The names are those of TorchRL's ``ClipPPOLoss``
-            outputs; the names of earlier versions (``approx_kl``, ``ratio_max``, ...)
-            raise a ``KeyError`` that names the new one.
+            outputs.
         weights: optional ``[*B, R]`` float per-token weights (detached; never
             read at masked positions). ``None`` (default): every weight 1.
 
@@ -1233,7 +1220,6 @@ def ppo_policy_loss(
             "max_ratio": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
             "ESS": ess,
         }
-        stats = _Stats(stats)
     return loss, stats
 
 

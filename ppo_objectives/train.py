@@ -764,19 +764,13 @@ def _advantage_estimator(cfg: TrainConfig, device: torch.device, process_group):
 # --------------------------------------------------------------------------- #
 
 
-def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int, M: int,
-                  *, process_group=None):
+def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int,
+                  M: int):
     """One collector batch -> the response-layout batch the loss trains on (advantages included).
 
     Under data parallelism ``gae`` whitens over the valid tokens of every rank
-    (``MaskedGAE(..., average_gae=True, process_group=pg)``); ``process_group`` here is
-    no longer accepted.
+    (``MaskedGAE(..., average_gae=True, process_group=pg)``).
     """
-    if process_group is not None:
-        raise TypeError(
-            "rollout_batch(process_group=) is gone: build the estimator with "
-            "MaskedGAE(..., average_gae=True, process_group=pg) to whiten over every rank's tokens"
-        )
     device = next(ac.actor_model.parameters()).device
     return score_batch(collect_batch(collector_iter, device, P, M), ac, kl_transform, gae)
 
