@@ -119,10 +119,24 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
+    return _sum(x, m, dim, keepdim=keepdim)
+
+
+# The unchecked arithmetic the public functions share: inputs already checked by the public call that
+# runs them (a bool mask of x's shape on x's device), so that one call checks its tensors once.
+
+
+def _sum(x: Tensor, m: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
     xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if dim is None:
         return xs.sum().reshape([1] * x.dim()) if keepdim else xs.sum()
     return xs.sum(dim=dim, keepdim=keepdim)
+
+
+def _mean(x: Tensor, m: Tensor) -> Tensor:
+    """``masked_mean(x, m)`` over every position, unchecked."""
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    return total / m.sum().to(x.dtype).clamp(min=1)
 
 
 def masked_mean(
@@ -298,8 +312,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     m = _validate.check_token_tensors(mask, values=values, returns=returns)
     cd = _validate.compute_dtype(values, returns)
     v, r = values.detach().to(cd), returns.detach().to(cd)
-    var_r = masked_var(r, m)
-    var_res = masked_var(r - torch.where(m, v, 0.0), m)
+    var_r = _masked_moments(r, m, False, None)[1]
+    var_res = _masked_moments(r - torch.where(m, v, 0.0), m, False, None)[1]
     safe = torch.where(var_r > 0, var_r, torch.ones_like(var_r))
     return torch.where(var_r > 0, 1.0 - var_res / safe, torch.zeros_like(var_r))
 
@@ -995,7 +1009,11 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
     m = _validate.check_tensor("mask", mask)
     if m.dim() < 1:
         raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
-    m = _validate.check_mask(mask, mask.shape, "mask")
+    return _normalizer(_validate.check_mask(mask, mask.shape, "mask"), mode, process_group)
+
+
+def _normalizer(m: Tensor, mode: str, process_group=None) -> Tensor:
+    """:func:`loss_normalizer` of a checked bool mask and mode."""
     R = m.shape[-1]
     fm = _rows(m)
     if mode in ("token-sum", "token-sum-norm"):  # a constant: the same on every rank and micro-batch
@@ -1070,9 +1088,14 @@ def aggregate_loss(
     _validate.check_mode(mode)
     if per_token.dim() < 1:
         raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
-    m = _validate.check_mask(mask, per_token.shape, "per_token")
+    return _aggregate(per_token, _validate.check_mask(mask, per_token.shape, "per_token"), mode, normalizer)
+
+
+def _aggregate(per_token: Tensor, m: Tensor, mode: str, normalizer: Tensor | float | None) -> Tensor:
+    """:func:`aggregate_loss` of a checked per-token loss, bool mask and mode (``normalizer`` is checked here:
+    the public losses pass theirs through)."""
     if normalizer is None:
-        normalizer = loss_normalizer(m, mode)
+        normalizer = _normalizer(m, mode)
     elif isinstance(normalizer, Tensor):
         if normalizer.numel() != 1 or not normalizer.is_floating_point():
             raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
@@ -1083,9 +1106,9 @@ def aggregate_loss(
         normalizer = _validate.check_positive("normalizer", normalizer)
     flat, fm = _rows(per_token), _rows(m)
     if mode in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
-        numerator = masked_sum(flat, fm)
+        numerator = _sum(flat, fm)
     else:
-        seq = masked_sum(flat, fm, dim=-1)
+        seq = _sum(flat, fm, dim=-1)
         if mode == "seq-mean-token-mean":
             seq = seq / fm.sum(-1).clamp(min=1).to(per_token.dtype)
         numerator = seq.sum()
@@ -1192,13 +1215,13 @@ def ppo_policy_loss(
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
     if weights is not None:
         per_token = per_token * _token_weights(weights, m, new_logps, cd)
-    loss = aggregate_loss(per_token, m, loss_agg_mode, normalizer=normalizer)
+    loss = _aggregate(per_token, m, loss_agg_mode, normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():
         r = ratio.detach()
         low, high = r < 1.0 - eps_low, r > 1.0 + eps_high
-        fm = lambda b: masked_mean(b.to(cd), m)  # noqa: E731 - fraction of valid tokens
+        fm = lambda b: _mean(b.to(cd), m)  # noqa: E731 - fraction of valid tokens
         n = m.sum().to(cd)
         sum_w = torch.where(m, r, zero).sum()
         sum_w2 = torch.where(m, r * r, zero).sum()
@@ -1212,10 +1235,10 @@ def ppo_policy_loss(
             "clip_fraction_low": fm(low),
             "clip_fraction_high": fm(high),
             "dual_clip_fraction": fm(dual),
-            "kl_approx": masked_mean(0.5 * log_ratio.detach() ** 2, m),
+            "kl_approx": _mean(0.5 * log_ratio.detach() ** 2, m),
             # log_ratio is 0 at masked positions, so the max of an empty mask is 0
             "kl_approx_token_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
-            "mean_ratio": masked_mean(r, m),
+            "mean_ratio": _mean(r, m),
             # ratios are positive, so a 0 appended makes the max of an empty mask 0
             "max_ratio": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
             "ESS": ess,
@@ -1236,7 +1259,7 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
     m = _validate.check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps)
     cd = _validate.compute_dtype(new_logps, old_logps)
     d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
-    return masked_mean(0.5 * d * d, m)
+    return _mean(0.5 * d * d, m)
 
 
 def _token_weights(weights: Tensor, m: Tensor, ref: Tensor, cd: torch.dtype) -> Tensor:
@@ -1383,12 +1406,12 @@ def _rollout_stats(w: Tensor, m: Tensor, clipped: Tensor, rejected: Tensor) -> d
     sum_w, sum_w2 = w.sum(), (w * w).sum()
     n = m.sum().to(w.dtype)
     return {
-        "clip_fraction": masked_mean(clipped.to(w.dtype), m),
-        "mask_fraction": masked_mean(rejected.to(w.dtype), m),
-        "seq_clip_fraction": masked_mean(clipped.any(-1).to(w.dtype), rows),
-        "seq_mask_fraction": masked_mean(rejected.any(-1).to(w.dtype), rows),
+        "clip_fraction": _mean(clipped.to(w.dtype), m),
+        "mask_fraction": _mean(rejected.to(w.dtype), m),
+        "seq_clip_fraction": _mean(clipped.any(-1).to(w.dtype), rows),
+        "seq_mask_fraction": _mean(rejected.any(-1).to(w.dtype), rows),
         "ESS": torch.where(sum_w2 > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(w.dtype).tiny), zero),
-        "mean_weight": masked_mean(w, m),
+        "mean_weight": _mean(w, m),
         # weights are >= 0, so a 0 appended makes the max of an empty mask 0
         "max_weight": torch.cat([w.flatten(), zero.reshape(1)]).max(),
     }
@@ -1564,7 +1587,7 @@ def reference_kl_penalty(
     safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
     safe_old = None if old_logps is None else torch.where(m, old_logps.to(policy_logps.dtype), zero)
     kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, old_logps=safe_old, score_grad=score_grad)
-    return aggregate_loss(kl, m, loss_agg_mode, normalizer=normalizer)
+    return _aggregate(kl, m, loss_agg_mode, normalizer)
 
 
 def last_valid_index(mask: Tensor) -> Tensor:
@@ -1786,9 +1809,9 @@ def clipped_value_loss(
     unclipped = (v - ret) ** 2
     clipped = (v_clip - ret) ** 2
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(per_token, m, loss_agg_mode, normalizer=normalizer)
+    loss = _aggregate(per_token, m, loss_agg_mode, normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():
-        frac = masked_mean((clipped > unclipped).to(cd), m)
+        frac = _mean((clipped > unclipped).to(cd), m)
     return loss, {"value_clip_fraction": frac}
