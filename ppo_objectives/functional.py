@@ -1636,6 +1636,12 @@ def masked_kl_estimate(
         tensor([[0.5000, 0.0000]])
     """
     m = _validate.check_token_tensors(mask, logps=logps, ref_logps=ref_logps)
+    return _masked_kl(logps, ref_logps, m, estimator, clamp)
+
+
+def _masked_kl(logps: Tensor, ref_logps: Tensor, m: Tensor, estimator: str, clamp: float | None) -> Tensor:
+    """:func:`masked_kl_estimate` of checked token tensors and bool mask (:func:`kl_estimate` checks the
+    estimator, the clamp and that the valid values are log-probs)."""
     zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
     kl = kl_estimate(torch.where(m, logps, zero), torch.where(m, ref_logps.to(logps.dtype), zero), estimator, clamp=clamp)
     return torch.where(m, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
@@ -1688,8 +1694,8 @@ def kl_penalized_rewards(
                 [ 0.0000,  3.0000,  0.0000]])
     """
     _validate.check_float("rewards", rewards)
-    kl = masked_kl_estimate(logps, ref_logps, mask, estimator, clamp=clamp)
-    m = _validate.check_mask(mask, logps.shape, "logps")
+    m = _validate.check_token_tensors(mask, logps=logps, ref_logps=ref_logps)
+    kl = _masked_kl(logps, ref_logps, m, estimator, clamp)
     _validate.check_same_device(rewards=rewards, logps=logps)
     shape = logps.shape
     if rewards.shape == shape:
