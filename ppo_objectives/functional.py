@@ -135,8 +135,7 @@ def _sum(x: Tensor, m: Tensor, dim: int | tuple[int, ...] | None = None, *, keep
 
 def _mean(x: Tensor, m: Tensor) -> Tensor:
     """``masked_mean(x, m)`` over every position, unchecked."""
-    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
-    return total / m.sum().to(x.dtype).clamp(min=1)
+    return _sum(x, m) / m.sum().to(x.dtype).clamp(min=1)
 
 
 def masked_mean(
@@ -176,17 +175,16 @@ def masked_mean(
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
-    xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if process_group is not None and dim is not None:
         raise ValueError("masked_mean: process_group needs dim=None (a global mean over every rank's tokens)")
     if dim is None:
-        total, count = xs.sum(), m.sum().to(x.dtype)
+        total, count = _sum(x, m), m.sum().to(x.dtype)
         if process_group is not None:
             both = _all_reduce_sum(torch.stack([total.detach(), count]), process_group)
             total, count = total + (both[0] - total.detach()), both[1]
         out = total / count.clamp(min=1)
         return out.reshape([1] * x.dim()) if keepdim else out
-    total = xs.sum(dim=dim, keepdim=keepdim)
+    total = _sum(x, m, dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim)
     return total / count.clamp(min=1).to(x.dtype)
 
