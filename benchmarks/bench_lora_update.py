@@ -9,9 +9,9 @@ would cost in learning (it needs its own learning rate) is not measured here.
 
 Both sides run in one process on the same batch: 8 prompts x 4 completions of ``--task`` sampled
 once from the model at T = 1 (up to 16 new tokens), a policy-gradient loss on the response tokens
-(the plain loop's, ``plain_pg_loop.plain_pg_step``: log-probs of the response positions from the
-model's logits, group-mean advantages). The sides alternate step by step; the first step of each is
-a warm-up. Printed: the median seconds of the forward, the backward and the AdamW step per side,
+(the plain loop's ``plain_pg_loop.sample_group_batch`` and ``pg_loss``: log-probs of the response
+positions from the model's logits, group-mean advantages). The sides alternate step by step; the
+first step of each is a warm-up. Printed: the median seconds of the forward, the backward and the AdamW step per side,
 trainable parameters, and the ratios LoRA / full.
 
     pip install peft
@@ -30,6 +30,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
 
+from plain_pg_loop import pg_loss, sample_group_batch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ppo_objectives.pretrained import export_hf_checkpoint, load_tokenizer  # noqa: E402
@@ -39,33 +40,10 @@ DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def sample_batch(model, task: TextTask, seed: int, prompts: int = 8, group: int = 4) -> dict:
-    """One rollout's rows (the plain loop's sampling) and their group-mean advantages."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(task.examples), (prompts,), generator=gen).repeat_interleave(group)
-    ids, mask = task.prompt_ids[idx], task.prompt_mask[idx].long()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=task.answer_len, do_sample=True,
-                             temperature=1.0, top_k=0, top_p=1.0, eos_token_id=task.eos_id, pad_token_id=task.pad_id)
-    resp = out[:, task.prompt_len:]
-    ended = (resp == task.eos_id).long().cumsum(1)
-    resp_mask = (ended - (resp == task.eos_id).long()) == 0
-    reward = task.score(task.completions(resp, resp_mask), idx)
-    adv = (reward.view(-1, group) - reward.view(-1, group).mean(1, keepdim=True)).view(-1)
-    full_mask = torch.cat([mask.bool(), resp_mask], 1)
-    return dict(out=out, resp=resp, resp_mask=resp_mask, adv=adv, full_mask=full_mask,
-                positions=(full_mask.long().cumsum(1) - 1).clamp(min=0))
-
-
-def update_step(model, opt, b: dict) -> dict:
-    """Forward, backward, AdamW step; seconds of each."""
+def update_step(model, opt, batch: dict) -> dict:
+    """The plain loop's update (``pg_loss``, backward, AdamW step); seconds of each part."""
     t0 = time.perf_counter()
-    R = b["resp"].shape[1]
-    logits = model(input_ids=b["out"], attention_mask=b["full_mask"].long(), position_ids=b["positions"],
-                   logits_to_keep=R + 1).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, b["resp"][..., None]).squeeze(-1)
-    loss = -(b["adv"][:, None] * logp * b["resp_mask"]).sum() / b["resp_mask"].sum().clamp(min=1)
+    loss = pg_loss(model, batch)
     t1 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -106,7 +84,8 @@ def main(argv=None) -> int:
     task = TextTask(arithmetic_examples(args.task, "train"), number_reward, load_tokenizer(args.model),
                     max_new_tokens=16)
     full = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32)
-    batch = sample_batch(full, task, args.seed)
+    torch.manual_seed(args.seed)  # generate's sampling stream
+    batch = sample_group_batch(full, task, torch.Generator().manual_seed(args.seed))
     lora = lora_model(args.model, args.rank)
     sides = {"full": (full, torch.optim.AdamW(full.parameters(), lr=1e-5, weight_decay=0.0)),
              "lora": (lora, torch.optim.AdamW([q for q in lora.parameters() if q.requires_grad], lr=1e-4,

@@ -78,8 +78,22 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
                   group_size: int = 4) -> dict:
     """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``."""
     t0 = time.perf_counter()
+    batch = sample_group_batch(model, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
+    t1 = time.perf_counter()
+    loss = pg_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    t2 = time.perf_counter()
+    return dict(reward=float(batch["reward"].mean()), generate_s=t1 - t0, update_s=t2 - t1,
+                response_tokens=int(batch["resp_mask"].sum()))
+
+
+def sample_group_batch(model, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
+                       group_size: int = 4) -> dict:
+    """``group_size`` completions of each of ``prompts_per_batch`` prompts drawn with ``gen`` (``model.generate``
+    at T = 1 from torch's global stream), their rewards and group-mean advantages."""
     M, P = task.answer_len, task.prompt_len
-    # 1. sample: group_size completions of each of prompts_per_batch prompts
     idx = torch.randint(len(task.examples), (prompts_per_batch,), generator=gen).repeat_interleave(group_size)
     ids, mask = task.prompt_ids[idx], task.prompt_mask[idx].long()
     with torch.no_grad():
@@ -87,27 +101,24 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
                              temperature=1.0, top_k=0, top_p=1.0, eos_token_id=task.eos_id,
                              pad_token_id=task.pad_id)
     resp = out[:, P:]
-    R = resp.shape[1]
     # valid response tokens: up to and including the first EOS
     ended = (resp == task.eos_id).long().cumsum(1)
     resp_mask = (ended - (resp == task.eos_id).long()) == 0
-    # 2. reward and group baseline
     reward = task.score(task.completions(resp, resp_mask), idx)
     adv = (reward.view(-1, group_size) - reward.view(-1, group_size).mean(1, keepdim=True)).view(-1)
-    t1 = time.perf_counter()
-    # 3. one policy-gradient step on the response tokens' log-probs (positions as generate used them)
-    full_mask = torch.cat([mask.bool(), resp_mask], 1)
+    return dict(out=out, resp=resp, resp_mask=resp_mask, prompt_mask=mask, reward=reward, adv=adv)
+
+
+def pg_loss(model, batch: dict) -> torch.Tensor:
+    """The policy-gradient loss of a ``sample_group_batch``: advantage-weighted log-probs of the response
+    tokens, from the model's logits at the positions ``generate`` used, averaged over the valid tokens."""
+    resp, resp_mask = batch["resp"], batch["resp_mask"]
+    full_mask = torch.cat([batch["prompt_mask"].bool(), resp_mask], 1)
     positions = (full_mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=out, attention_mask=full_mask.long(), position_ids=positions,
-                   logits_to_keep=R + 1).logits[:, :-1]
+    logits = model(input_ids=batch["out"], attention_mask=full_mask.long(), position_ids=positions,
+                   logits_to_keep=resp.shape[1] + 1).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, resp[..., None]).squeeze(-1)  # [B, R]
-    loss = -(adv[:, None] * logp * resp_mask).sum() / resp_mask.sum().clamp(min=1)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    t2 = time.perf_counter()
-    return dict(reward=float(reward.mean()), generate_s=t1 - t0, update_s=t2 - t1,
-                response_tokens=int(resp_mask.sum()))
+    return -(batch["adv"][:, None] * logp * resp_mask).sum() / resp_mask.sum().clamp(min=1)
 
 
 def main(argv=None) -> int:
