@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
-from ppo_objectives import _gae_fast
+from ppo_objectives._kernels import gae as _gae_fast
 from ppo_objectives.functional import masked_gae
 
 COURSE = (1.0, 0.95)  # MiniMind's gamma, lam

@@ -31,13 +31,14 @@ import time
 import torch
 
 from ppo_objectives import train as T
-from ppo_objectives.envs import DigitTask, TokenLMEnv, warm_start
+from ppo_objectives.train.digit import DigitTask, warm_start
+from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.policy import sample_with_kv_cache
-from ppo_objectives.readouts import frozen_reference, make_actor_critic
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.policy import sample_with_kv_cache
+from ppo_objectives.llm.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 
 def _sync(device):

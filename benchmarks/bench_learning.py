@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout
 
-from ppo_objectives.train import read_metrics  # noqa: E402
+from ppo_objectives.train import read_metrics
 
 GOAL_REWARD, GOAL_EXACT = 0.95, 0.9  # reverse: mean reward / exact match of the last 10 iterations
 

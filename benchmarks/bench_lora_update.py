@@ -33,8 +33,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from plain_pg_loop import pg_loss, sample_group_batch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from ppo_objectives.pretrained import export_hf_checkpoint, load_tokenizer  # noqa: E402
-from ppo_objectives.text_tasks import TextTask, arithmetic_examples, number_reward  # noqa: E402
+from ppo_objectives.train.pretrained import export_hf_checkpoint, load_tokenizer
+from ppo_objectives.train.text import TextTask, arithmetic_examples, number_reward
 
 DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -42,9 +42,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from plain_pg_loop import held_out_evaluator, plain_pg_loop  # noqa: E402
 
-from ppo_objectives import train as T  # noqa: E402
-from ppo_objectives.pretrained import export_hf_checkpoint, load_tokenizer  # noqa: E402
-from ppo_objectives.text_tasks import TextTask, arithmetic_examples, number_reward  # noqa: E402
+from ppo_objectives import train as T
+from ppo_objectives.train.pretrained import export_hf_checkpoint, load_tokenizer
+from ppo_objectives.train.text import TextTask, arithmetic_examples, number_reward
 
 DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 MINUTES = {"chat-add1": 10.0, "chat-add2": 20.0}

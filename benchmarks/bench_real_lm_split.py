@@ -40,8 +40,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from plain_pg_loop import plain_pg_step  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from ppo_objectives import _plumbing  # noqa: E402
-from ppo_objectives import train as T  # noqa: E402
+from ppo_objectives.train import checkpoints
+
+from ppo_objectives.train import distributed
+from ppo_objectives import train as T
 
 DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 ROLLOUT = "rollout (collector: sampling, V_old)"
@@ -91,14 +93,14 @@ def instrument(run, clock: PhaseClock) -> None:
     """Put the clock on every phase of the job's iteration (module functions, methods, this run's modules)."""
     tr = T._TrustRegionUpdate
     T.collect_batch = _timed(clock, ROLLOUT, T.collect_batch)
-    _plumbing.release_host_memory = _timed(clock, "host memory trim", _plumbing.release_host_memory)
+    distributed.release_host_memory = _timed(clock, "host memory trim", distributed.release_host_memory)
     T.ppo_update = _timed(clock, "update: rest (minibatch slicing, diagnostics)", T.ppo_update)
     loss_name = lambda: ("update: trust-region check forward" if clock.inside("check")  # noqa: E731
                          else "update: loss forward")
     tr.loss = _timed(clock, loss_name, tr.loss)
     tr.backward = _timed(clock, "update: backward + gradient clipping", tr.backward)
     tr.check_last_step = _timed(clock, "check", tr.check_last_step)
-    _plumbing.snapshot = _timed(clock, "update: trust-region snapshot", _plumbing.snapshot)
+    checkpoints.snapshot = _timed(clock, "update: trust-region snapshot", checkpoints.snapshot)
     for opt in run.optimizers:
         opt.step = _timed(clock, "update: AdamW steps", opt.step)
     run.kl_transform.forward = _timed(clock, "reference forward + KL penalty", run.kl_transform.forward)
@@ -117,7 +119,7 @@ def _measure(args, out: str) -> tuple[list[dict], list[dict]]:
     cfg = T.TrainConfig(**vars(T.build_parser().parse_args(flags)))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run = T._build(cfg, _plumbing.init_distributed(cfg.device))
+    run = T._build(cfg, distributed.init_distributed(cfg.device))
     plain = AutoModelForCausalLM.from_pretrained(str(args.model), local_files_only=True, dtype=torch.float32)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-5, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)

@@ -20,7 +20,7 @@ warm-up batch, the two sides interleaved batch by batch) and the ratio collector
 **Hugging Face section** (``--model llama`` or ``both``): a Llama-config model of
 about 16M parameters built from its config (vocab 8192, hidden 384, 6 layers,
 6 query heads, 2 key/value heads, intermediate 1024; the count is printed)
-behind :class:`~ppo_objectives.models.HFCausalLMAdapter`, ``N`` rows of random
+behind :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`, ``N`` rows of random
 prompts left-padded to width ``P`` (lengths in ``[P/2, P]``), ``M`` new tokens.
 Three sides on the same prompts, the first two interleaved batch by batch:
 
@@ -53,9 +53,10 @@ import time
 
 import torch
 
-from ppo_objectives.envs import DigitTask, TokenLMEnv
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.policy import make_actor, sample_with_kv_cache
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.policy import make_actor, sample_with_kv_cache
 
 
 def _sync(device):
@@ -66,7 +67,7 @@ def _sync(device):
 def measure(num_envs: int, preset: str, digits: int, device: torch.device, repeats: int, policy: str, seed: int = 0):
     from torchrl.collectors import Collector
 
-    from ppo_objectives.envs import warm_start
+    from ppo_objectives.train.digit import warm_start
 
     torch.manual_seed(seed)
     task = DigitTask("copy", digits)
@@ -110,7 +111,7 @@ def measure(num_envs: int, preset: str, digits: int, device: torch.device, repea
 def _llama_adapter(device: torch.device, seed: int = 0):
     from transformers import LlamaConfig
 
-    from ppo_objectives.models import HFCausalLMAdapter
+    from ppo_objectives.llm.hf import HFCausalLMAdapter
 
     cfg = LlamaConfig(
         vocab_size=8192, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,

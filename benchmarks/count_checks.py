@@ -18,10 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout
 
-from ppo_objectives import _td, _validate, testing  # noqa: E402
+from ppo_objectives import _td
+from ppo_objectives import _validate
+from ppo_objectives import testing
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
 from ppo_objectives.transforms import KLPenaltyTransform  # noqa: E402
-from ppo_objectives.value import MaskedGAE  # noqa: E402
+from ppo_objectives.value.gae import MaskedGAE
 
 #: The checks counted: every public function of ``_validate`` that checks something, and ``_td.require``.
 CHECKS = [(_validate, name) for name in dir(_validate)

@@ -10,7 +10,7 @@ than it must.
 
 It shares with the job only what makes the comparison fair: the same model directory, the same
 training prompts (``TextTask.prompt_ids``), the same reward, and the same held-out measurement
-(``ppo_objectives.text_tasks.evaluate``).
+(``ppo_objectives.train.text.evaluate``).
 
     python benchmarks/plain_pg_loop.py --model DIR --task chat-add1 --minutes 5
 """
@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
 
-from ppo_objectives._text_job import EVAL_SEED_OFFSET  # noqa: E402  the job's held-out sampling stream
-from ppo_objectives.models import HFCausalLMAdapter  # noqa: E402
-from ppo_objectives.pretrained import load_tokenizer  # noqa: E402
-from ppo_objectives.text_tasks import TextTask, arithmetic_examples, evaluate, number_reward  # noqa: E402
+from ppo_objectives.train.text_job import EVAL_SEED_OFFSET
+from ppo_objectives.llm.hf import HFCausalLMAdapter
+from ppo_objectives.train.pretrained import load_tokenizer
+from ppo_objectives.train.text import TextTask, arithmetic_examples, evaluate, number_reward
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1):

@@ -25,7 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from bench_real_lm import DEFAULT_MODEL, run_job  # noqa: E402
 
-from ppo_objectives.pretrained import export_hf_checkpoint  # noqa: E402
+from ppo_objectives.train.pretrained import export_hf_checkpoint
 
 #: One change to the default recipe each ("default": none).
 VARIANTS = (

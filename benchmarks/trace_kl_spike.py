@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ppo_objectives import train as T  # noqa: E402
+from ppo_objectives import train as T
 
 
 class _Found(Exception):

@@ -37,7 +37,7 @@ exclude_patterns = ["_build"]
 nitpicky = False  # type hints name torch / tensordict / torchrl objects that have no page here
 
 # The public API only: each page lists its names explicitly (docs/api/*.rst), so autodoc never
-# imports a private module such as _triton_gae (it needs triton and a GPU).
+# imports a private module such as _kernels.triton_gae (it needs triton and a GPU).
 autodoc_default_options = {"member-order": "bysource"}
 autodoc_inherit_docstrings = False  # an undocumented override does not pull in torch's / torchrl's docstring
 autodoc_typehints = "signature"
@@ -53,7 +53,7 @@ html_theme = "furo"
 html_title = "ppo_objectives"
 
 # ppo_objectives.testing is documented when it exists (docs/api/testing.rst).
-HAS_TESTING = (ROOT / "ppo_objectives" / "testing.py").exists()
+HAS_TESTING = (ROOT / "ppo_objectives" / "testing").is_dir()
 if not HAS_TESTING:
     exclude_patterns.append("api/testing.rst")
 

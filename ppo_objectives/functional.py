@@ -37,8 +37,9 @@ import math
 import torch
 from torch import Tensor
 
-from ppo_objectives import _gae_fast, _logprobs  # the fast kernels behind masked_gae / response_log_probs (torch only)
-from ppo_objectives import _validate  # the input checks every layer shares
+from ppo_objectives._kernels import gae as _gae_fast
+from ppo_objectives._kernels import logprobs as _logprobs
+from ppo_objectives import _validate
 from ppo_objectives._validate import value_checks
 
 __all__ = [
@@ -466,7 +467,7 @@ def response_log_probs_from_hidden(
     at all and are exactly 0, with zero gradient, in both outputs; ``hidden`` and ``input_ids``
     there may hold anything. Selecting the masked rows reads ``mask`` (one host
     synchronisation); ``mask=None`` scores every position without one. The kernel is
-    ``ppo_objectives/_logprobs.py``; the design follows fused linear cross-entropy kernels.
+    ``ppo_objectives/_kernels/logprobs.py``; the design follows fused linear cross-entropy kernels.
 
     Args:
         hidden: ``[B, T, C]`` float last hidden states (the input of the LM head).

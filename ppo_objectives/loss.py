@@ -31,7 +31,7 @@ from torchrl.objectives.value import ValueEstimatorBase
 from ppo_objectives import functional as F
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
 
@@ -134,7 +134,7 @@ class TokenPPOLoss(LossModule):
     run once per call; the input entries are treated as constants (detached).
     Their ``in_keys`` are checked on the input before anything runs: a missing
     entry is a ``KeyError`` naming it and the network (for a raw collector batch:
-    convert it with :func:`~ppo_objectives.layouts.trajectories_to_llm_batch`).
+    convert it with :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch`).
 
     **Batch shape.** The TensorDict needs at least one batch dimension: ``[B]``
     (the response layout, ``[B, S]`` inputs next to ``[B, R]`` per-token entries)
@@ -232,7 +232,7 @@ class TokenPPOLoss(LossModule):
         device: device of the coefficient buffers.
 
     The default value estimator (used when ``advantage`` is missing) is
-    :class:`~ppo_objectives.value.MaskedGAE` with ``gamma=1.0, lmbda=0.95``;
+    :class:`~ppo_objectives.value.gae.MaskedGAE` with ``gamma=1.0, lmbda=0.95``;
     change it with :meth:`make_value_estimator`.
 
     Example:

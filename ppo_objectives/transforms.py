@@ -164,10 +164,10 @@ class KLPenaltyTransform(Transform):
     then cover the padding too; give response batches their mask.
 
     Where it goes: **before the advantages**. With ``add_to_reward=True`` the
-    penalty is part of the reward that :class:`~ppo_objectives.value.MaskedGAE`
+    penalty is part of the reward that :class:`~ppo_objectives.value.gae.MaskedGAE`
     turns into advantages and value targets, so it must be applied to a batch
     before GAE runs on it, once per rollout: inside the env, as (part of) a
-    collector ``postproc``, or called on the batch (``ppo_objectives/train.py``
+    collector ``postproc``, or called on the batch (``ppo_objectives/train/``
     calls it between the critic and ``MaskedGAE``). Not in the replay buffer the
     PPO minibatches are drawn from: PPO computes the advantages once per rollout,
     before that buffer is filled, so a penalty applied there on ``extend`` or

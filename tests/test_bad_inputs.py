@@ -46,8 +46,10 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from ppo_objectives import functional as F
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
-from ppo_objectives.layouts import ToLLMBatch
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.layouts import trajectories_to_llm_batch
+from ppo_objectives.llm.layouts import ToLLMBatch
 from ppo_objectives.llm_interop import (
     CausalLMCritic,
     CausalLMTokenLogProbs,
@@ -55,11 +57,11 @@ from ppo_objectives.llm_interop import (
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.policy import NextTokenLogits, sample_with_kv_cache
-from ppo_objectives.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.policy import NextTokenLogits, sample_with_kv_cache
+from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 NAN, INF = float("nan"), float("inf")
 KINDS = (
@@ -1109,7 +1111,7 @@ def _hf_adapter():
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
 
-    from ppo_objectives.models import HFCausalLMAdapter
+    from ppo_objectives.llm.hf import HFCausalLMAdapter
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -1523,7 +1525,7 @@ def _kit_loss(critic: bool, **kw):
 
 
 def _singleton_groups():
-    from ppo_objectives.critic_free import GroupAdvantage
+    from ppo_objectives.value.critic_free import GroupAdvantage
 
     td = _kit().response_batch(batch_size=4, response_len=3, seed=0)
     td.set("score", torch.rand(4))
@@ -1545,7 +1547,7 @@ def _dropout_module():
 
 
 def _untokenized_checkpoint():
-    from ppo_objectives.pretrained import load_policy_model, write_tiny_checkpoint
+    from ppo_objectives.train.pretrained import load_policy_model, write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tempfile.mkdtemp(), "llama", hidden_size=16, num_layers=1, with_tokenizer=False)
     return load_policy_model(path, TASK)

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from ppo_objectives import TokenPPOLoss
-from ppo_objectives import critic_free as CF
+from ppo_objectives.value import critic_free as CF
 from ppo_objectives import functional as F
 from ppo_objectives.testing import assert_mask_invariant, make_mask, response_batch, tiny_actor_critic
 

@@ -19,7 +19,7 @@ from ppo_objectives.functional import (
     ppo_policy_loss,
     reference_kl_penalty,
 )
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 WORLD = 2
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum",

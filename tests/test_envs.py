@@ -6,7 +6,9 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.envs.utils import check_env_specs
 
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 
 
 class _Scripted(torch.nn.Module):
@@ -290,13 +292,6 @@ def test_trajectories_cut_by_the_batch_start_are_dropped():
     assert isinstance(single, TensorDict)
 
 
-def test_trajectories_to_llm_batch_keeps_its_old_import_path():
-    import ppo_objectives
-    from ppo_objectives import layouts
-
-    assert trajectories_to_llm_batch is layouts.trajectories_to_llm_batch is ppo_objectives.trajectories_to_llm_batch
-
-
 # ----------------------------------------------------------------------------- ToLLMBatch: the collector postproc
 
 
@@ -309,20 +304,18 @@ def _collector(env, policy, postproc=None, batches=1):
 
 
 def test_to_llm_batch_as_collector_postproc_gives_the_loss_layout_with_the_reward_for_gae():
-    import ppo_objectives
-    from ppo_objectives import layouts
+    from ppo_objectives.llm import layouts
     from ppo_objectives.loss import TokenPPOLoss
-    from ppo_objectives.models import TinyLMConfig
-    from ppo_objectives.readouts import make_actor_critic
+    from ppo_objectives.llm.models import TinyLMConfig
+    from ppo_objectives.llm.readouts import make_actor_critic
     from ppo_objectives.transforms import KLPenaltyTransform
-    from ppo_objectives.value import MaskedGAE
+    from ppo_objectives.value.gae import MaskedGAE
 
-    assert ppo_objectives.ToLLMBatch is layouts.ToLLMBatch and "ToLLMBatch" in ppo_objectives.__all__
     task = DigitTask("reverse", 2)
     env = TokenLMEnv.from_task(task, num_envs=4, seed=0, token_reward_fn=lambda ids, m, j: 0.1 * (j == 0).float())
     policy = _policy(task=task, prompt_len=env.prompt_len)
     P, M = env.prompt_len, env.max_new_tokens
-    post = ppo_objectives.ToLLMBatch(P, M)
+    post = layouts.ToLLMBatch(P, M)
     assert repr(post) == f"ToLLMBatch(prompt_len={P}, max_new_tokens={M})"
     collector = _collector(env, policy, postproc=post)
     try:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ppo_objectives import _plumbing
+from ppo_objectives.train import distributed
 from ppo_objectives import train as T
-from ppo_objectives.envs import TokenLMEnv
+from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.readouts import make_actor_critic
+from ppo_objectives.llm.readouts import make_actor_critic
 from test_train import SMALL, _pieces
 from test_train_distributed import _params, _rollout
 
@@ -81,7 +81,7 @@ def _check_gathered_rollout(ac, rank, res) -> None:
     """Rank r makes 1 + 2 r forwards inside the gathered block (no collective each), then one sharded."""
     x = torch.randint(16, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        with _plumbing.gathered_for_rollout(ac.actor_model):
+        with distributed.gathered_for_rollout(ac.actor_model):
             res["types_inside"] = {type(p).__name__ for p in ac.actor_model.parameters()}
             for _ in range(1 + 2 * rank):
                 res["gathered_logits"] = ac.actor_model(x).logits
@@ -93,7 +93,7 @@ def _check_checkpoint_entries(ac, opts, pg, rank, res) -> None:
     """Full state dicts gathered on rank 0, then loaded back on every rank over perturbed shards."""
     stateful = dict(actor_model=ac.actor_model, critic_model=ac.critic_model, critic_head=ac.critic_head,
                     actor_opt=opts[0], critic_opt=opts[1])  # fmt: skip
-    entries = _plumbing.fsdp_stateful(stateful, ac)
+    entries = distributed.fsdp_stateful(stateful, ac)
     state = {name: entry.state_dict() for name, entry in entries.items()}
     res["state"] = state if rank == 0 else None
     res["state_empty_off_rank_0"] = all(not v for v in state.values())
@@ -129,7 +129,7 @@ def _check_hf_llama(rank, d, res) -> None:
     the shards is the unsharded model's (both ranks feed the same rows, so the average is that gradient)."""
     from transformers import LlamaConfig
 
-    from ppo_objectives.models import HFCausalLMAdapter
+    from ppo_objectives.llm.hf import HFCausalLMAdapter
 
     torch.manual_seed(0)
     lm = HFCausalLMAdapter.from_config(LlamaConfig(
@@ -145,8 +145,8 @@ def _check_hf_llama(rank, d, res) -> None:
 
     loss_of(ac.actor.module).backward()
     expected = [p.grad.clone() for p in ac.actor_parameters()]
-    res["hf_blocks"] = [type(b).__name__ for b in _plumbing.transformer_blocks(lm)]
-    _plumbing.shard_fsdp(ac, d, torch.device("cpu"))
+    res["hf_blocks"] = [type(b).__name__ for b in distributed.transformer_blocks(lm)]
+    distributed.shard_fsdp(ac, d, torch.device("cpu"))
     loss_of(ac.actor.module).backward()
     got = [p.grad.full_tensor() for p in ac.actor_parameters()]
     res["hf_grad_err"] = max(float((a - b).abs().max()) for a, b in zip(got, expected))
@@ -159,13 +159,13 @@ def _fsdp_worker(rank, init_file, results_dir):
                             timeout=datetime.timedelta(seconds=60))  # a hang fails, it does not wait forever
     try:
         pg, res = dist.group.WORLD, {}
-        d = _plumbing.Dist(rank, WORLD, rank, pg)
+        d = distributed.Dist(rank, WORLD, rank, pg)
         ac, llm = _on_policy_rollout(rank)  # identical networks (seed 0), each rank's own rows
         res["llm"] = llm.clone()
         x = torch.randint(16, (2, 6), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             res["unsharded_logits"] = ac.actor_model(x).logits
-        actor, critic, wrappers = _plumbing.shard_fsdp(ac, d, torch.device("cpu"))
+        actor, critic, wrappers = distributed.shard_fsdp(ac, d, torch.device("cpu"))
         res["wrappers"], res["shards"] = len(wrappers), _shards(ac)
         _check_gathered_rollout(ac, rank, res)
         # the trust region on the shards: every step undone, then steps shortened (the same steps on both ranks)
@@ -175,7 +175,7 @@ def _fsdp_worker(rank, init_file, results_dir):
         res["stats"] = T.ppo_update(llm, loss, ac, opts, _cfg(BACKTRACK_KL), torch.Generator(), process_group=pg)
         res["params"] = _full_params(ac)
         res["steps"] = sorted({int(s["step"]) for opt in opts for s in opt.state.values()})
-        _plumbing.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+        distributed.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
         _check_checkpoint_entries(ac, opts, pg, rank, res)
         # a NaN loss on rank 1 alone: both ranks skip the step, no collective left waiting
         before, loss.forward = _full_params(ac), _nan_on_rank_1(loss, rank)
@@ -347,12 +347,12 @@ def test_fsdp_with_collector_workers_is_a_clear_error(tmp_path, cli_error):
 def test_shard_fsdp_without_a_process_group_is_a_clear_error():
     ac = _pieces(seed=0)[3]
     with pytest.raises(ValueError, match="shard_fsdp needs a torchrun process group.*torchrun --nproc_per_node"):
-        _plumbing.shard_fsdp(ac, _plumbing.Dist(), torch.device("cpu"))
+        distributed.shard_fsdp(ac, distributed.Dist(), torch.device("cpu"))
 
 
 def test_resuming_a_checkpoint_without_fsdp_under_fsdp_is_a_clear_error():
     cfg, ac, loss, opts, llm = _rollout(ppo_epochs=1, minibatches=1, early_stop_kl=0.0)
     T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
-    entry = _plumbing.fsdp_stateful(dict(actor_opt=opts[0]), ac)["actor_opt"]
+    entry = distributed.fsdp_stateful(dict(actor_opt=opts[0]), ac)["actor_opt"]
     with pytest.raises(ValueError, match="keyed by parameter index, as a run without --fsdp writes it.*resume with the flags"):
         entry.load_state_dict(opts[0].state_dict())  # what a DDP / one-process checkpoint holds

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_objectives import _gae_fast
-from ppo_objectives._gae_fast import (
+from ppo_objectives._kernels import gae as _gae_fast
+from ppo_objectives._kernels.gae import (
     discounted_reverse_cumsum,
     gae_advantages_torch,
     gae_advantages_triton,

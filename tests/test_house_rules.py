@@ -36,10 +36,10 @@ def import_table(text: str) -> dict[str, set[str]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= set("- ") or cells[0] == "module":
             continue
-        targets = set(re.findall(r"`(\w+)`", cells[1]))
+        targets = set(re.findall(r"`([\w.]+)`", cells[1]))
         if not targets and cells[1] != "nothing":
             raise AssertionError(f"design.md import table: {cells[1]!r} lists no module; write `name`s or nothing")
-        for module in re.findall(r"`(\w+)`", cells[0]):
+        for module in re.findall(r"`([\w.]+)`", cells[0]):
             allowed[module] = targets
     return allowed
 
@@ -50,7 +50,9 @@ def layer_ranks(text: str) -> dict[str, int]:
     ranks: dict[str, int] = {}
     for rank, line in enumerate(block.splitlines()):
         first_column = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
-        for module in re.findall(r"(?<![\w*/])(\w+)\.py\b", first_column):
+        for path in re.findall(r"(?<![\w*/])([\w/]+)\.py\b", first_column):
+            parts = path.split("/")
+            module = ".".join(parts[:-1]) or "__init__" if parts[-1] == "__init__" else ".".join(parts)
             ranks.setdefault(module, rank)
     return ranks
 
@@ -58,54 +60,69 @@ def layer_ranks(text: str) -> dict[str, int]:
 # ----------------------------------------------------------------------------- reading the package
 
 
+def module_files(package: Path) -> dict[str, Path]:
+    """``module -> file``; a module is its dotted path inside the package (``value.gae``), a subpackage's
+    ``__init__.py`` is the subpackage (``value``), and the package's own is ``__init__``."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        found[".".join(parts[:-1]) or "__init__" if parts[-1] == "__init__" else ".".join(parts)] = path
+    return found
+
+
+def _targets(node: ast.AST, name: str, modules: set[str]) -> list[str]:
+    """The package modules one AST node imports (or names, as a dotted string)."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
+        base = ".".join(node.module.split(".")[1:])
+        # ``from pkg.sub import name``: the module ``sub.name`` when there is one, else ``sub`` (the package
+        # face, ``__init__``, for ``from pkg import name``)
+        return [f"{base}.{a.name}".strip(".") if f"{base}.{a.name}".strip(".") in modules else base or "__init__"
+                for a in node.names]
+    if isinstance(node, ast.Import):
+        return [a.name.split(".", 1)[1] for a in node.names if a.name.startswith(f"{name}.")]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        # a dotted module path held as a string (importlib.import_module, a table of lazy homes)
+        match = re.fullmatch(rf"{name}\.([\w.]+)", node.value)
+        return [match[1]] if match and match[1] in modules else []
+    return []
+
+
 def package_imports(package: Path) -> dict[str, dict[str, int]]:
     """``module -> {imported package module: first line}``: every ``import`` statement at any depth, and
     every string that is exactly a package module's dotted path."""
-    name = package.name
-    modules = {p.stem for p in package.glob("*.py")}
+    files = module_files(package)
     graph: dict[str, dict[str, int]] = {}
-    for path in sorted(package.glob("*.py")):
+    for module, path in files.items():
         arrows: dict[str, int] = {}
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            targets = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
-                parts = node.module.split(".")
-                # ``from pkg import name``: the module ``name``, or a name of the package face (``__init__``)
-                targets = [parts[1]] if len(parts) > 1 else [a.name if a.name in modules else "__init__"
-                                                             for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name.split(".")[1] for a in node.names if a.name.startswith(f"{name}.")]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                # a dotted module path held as a string (importlib.import_module, a table of lazy homes)
-                match = re.fullmatch(rf"{name}\.(\w+)", node.value)
-                targets = [match[1]] if match and match[1] in modules else []
-            for target in targets:
-                if target != path.stem:
+            for target in _targets(node, package.name, set(files)):
+                if target != module:
                     arrows.setdefault(target, node.lineno)
-        graph[path.stem] = arrows
+        graph[module] = arrows
     return graph
 
 
 def private_name_uses(package: Path) -> list[str]:
     """``from pkg.mod import _name`` and ``mod._name`` of another package module, as ``file:line text``."""
-    name = package.name
-    modules = {p.stem for p in package.glob("*.py")}
+    files = module_files(package)
     found = []
-    for path in sorted(package.glob("*.py")):
+    for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(package).as_posix()
         aliases = {}
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
-                parts = node.module.split(".")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package.name:
+                base = ".".join(node.module.split(".")[1:])
                 for a in node.names:
-                    if len(parts) == 1 and a.name in modules:
-                        aliases[a.asname or a.name] = a.name
-                    elif _private(a.name) and (len(parts) > 1 and parts[1] != path.stem or len(parts) == 1):
-                        found.append(f"{path.name}:{node.lineno} from {node.module} import {a.name}")
+                    sub = f"{base}.{a.name}".strip(".")
+                    if sub in files:
+                        aliases[a.asname or a.name] = sub
+                    elif _private(a.name) and (base or "__init__") != module:
+                        found.append(f"{where}:{node.lineno} from {node.module} import {a.name}")
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and aliases[node.value.id] != path.stem and _private(node.attr)):
-                found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+                    and aliases[node.value.id] != module and _private(node.attr)):
+                found.append(f"{where}:{node.lineno} {node.value.id}.{node.attr}")
     return found
 
 
@@ -116,7 +133,7 @@ def _private(name: str) -> bool:
 def oversized(package: Path) -> list[str]:
     """Functions over ``MAX_FUNCTION_LINES`` and classes over ``MAX_CLASS_LINES`` code lines."""
     found = []
-    for path in sorted(package.glob("*.py")):
+    for path in module_files(package).values():
         text = path.read_text(encoding="utf-8")
         lines, tree = text.splitlines(), ast.parse(text)
         docstrings = {i for node in ast.walk(tree) for i in _docstring_lines(node)}
@@ -128,7 +145,8 @@ def oversized(package: Path) -> list[str]:
             count = sum(1 for i in range(node.lineno, node.end_lineno + 1)
                         if i not in docstrings and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"))
             if count > limit:
-                found.append(f"{path.name}:{node.lineno} {node.name}: {count} code lines (limit {limit})")
+                found.append(f"{path.relative_to(package).as_posix()}:{node.lineno} {node.name}: {count} code lines "
+                             f"(limit {limit})")
     return found
 
 
@@ -198,7 +216,7 @@ def test_functions_and_classes_keep_their_size_limits():
 
 
 def test_the_design_note_lists_only_modules_that_exist():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    modules = set(module_files(PACKAGE))
     table, ranks = import_table(DESIGN_TEXT), layer_ranks(DESIGN_TEXT)
     assert set(table) - modules == set() and set(ranks) - modules == set()
     assert {t for targets in table.values() for t in targets} - modules == set()

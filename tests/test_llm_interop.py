@@ -31,7 +31,7 @@ from ppo_objectives.llm_interop import (  # noqa: E402
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
-from ppo_objectives.value import MaskedGAE  # noqa: E402
+from ppo_objectives.value.gae import MaskedGAE
 
 # The suite turns warnings into errors; two come from inside TorchRL 0.14.1's LLM code, not ours:
 # TransformersWrapper calls F.cross_entropy(..., reduce=False) (deprecated by torch), and
@@ -625,16 +625,6 @@ def test_read_outs_reject_bad_inputs(lm):
         critic.values(torch.tensor([[1, 2, 3]]), mask=torch.tensor([[0.0, 0.5, 1.0]]))
     with pytest.raises(ValueError, match="pass hidden_size="):
         CausalLMCritic(torch.nn.Linear(2, 2))
-
-
-def test_old_import_paths_are_the_layouts_and_readouts_objects():
-    import ppo_objectives
-    from ppo_objectives import layouts, llm_interop, readouts
-
-    assert llm_interop.LLMToTokenBatch is layouts.LLMToTokenBatch is ppo_objectives.LLMToTokenBatch
-    assert llm_interop.bootstrap_from_next_turn is layouts.bootstrap_from_next_turn
-    assert llm_interop.CausalLMCritic is readouts.CausalLMCritic is ppo_objectives.CausalLMCritic
-    assert llm_interop.CausalLMTokenLogProbs is readouts.CausalLMTokenLogProbs
 
 
 def test_critic_head_is_the_documented_normal_init(lm):

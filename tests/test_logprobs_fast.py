@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_objectives._logprobs import default_chunk_size, gathered_log_probs
+from ppo_objectives._kernels.logprobs import default_chunk_size, gathered_log_probs
 from ppo_objectives.functional import response_log_probs
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from ppo_objectives import train as T
-from ppo_objectives.envs import DigitTask
-from ppo_objectives.monitor import FLAGS, CollapseGuard, plot_metrics
+from ppo_objectives.train import loop
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
 from test_train import SMALL
 
 HEALTHY = dict(reward=0.4, exact=0.1, response_len=4.0, entropy=1.5, kl_approx_max=0.05, kl_token_max=9.0,
@@ -157,6 +158,6 @@ def test_resume_of_a_collapsing_run_continues_its_streak(tmp_path, monkeypatch):
 
 def test_the_plot_is_redrawn_at_every_checkpoint(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(T, "_plot", lambda rows, png, title=None: drawn.append(len(rows)))
+    monkeypatch.setattr(loop, "_plot", lambda rows, png, title=None: drawn.append(len(rows)))
     T.main(["--iterations", "5", "--save-every", "2", "--out", str(tmp_path), *SMALL])
     assert drawn == [2, 4, 5, 5]  # checkpoints at 2, 4, 5 and the end of the run

@@ -4,12 +4,14 @@
 import pytest
 import torch
 
-from ppo_objectives import pretrained as PT
+from ppo_objectives.train import pretrained as PT
 from ppo_objectives import train as T
-from ppo_objectives.envs import DigitTask, TokenLMEnv
-from ppo_objectives.models import HFCausalLMAdapter, TinyCausalLM, TinyLMConfig
-from ppo_objectives.readouts import make_actor_critic
-from ppo_objectives.policy import NextTokenLogits
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.hf import HFCausalLMAdapter
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.llm.policy import NextTokenLogits
 
 pytest.importorskip("transformers")
 
@@ -183,7 +185,7 @@ def test_the_head_is_the_inner_heads_rows_and_is_in_the_state_dict_once(ckpt):
 
 
 def test_the_hidden_state_read_out_through_the_restricted_head_equals_the_logits_read_out(ckpt):
-    from ppo_objectives.readouts import ResponseLogProbs, lm_head_parameters
+    from ppo_objectives.llm.readouts import ResponseLogProbs, lm_head_parameters
 
     lm = PT.load_policy_model(ckpt("qwen2"), TASK)
     assert lm_head_parameters(lm)[0].shape == (16, 32)  # the read-outs find the task's rows
@@ -409,7 +411,7 @@ def test_a_tiny_checkpoint_ties_its_embedding_by_default_and_the_cli_can_untie_i
 
 
 def test_untied_lm_head_tells_which_critic_trunks_have_a_head_that_takes_no_gradient(ckpt, tmp_path):
-    from ppo_objectives._plumbing import untied_lm_head
+    from ppo_objectives.train.distributed import untied_lm_head
 
     tied = PT.write_tiny_checkpoint(tmp_path, "llama", task=TASK, **TINY)
     assert not untied_lm_head(PT.load_policy_model(tied, TASK))

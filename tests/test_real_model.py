@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from ppo_objectives import pretrained
+from ppo_objectives.train import pretrained
 from ppo_objectives import testing as K
 
 pytest.importorskip("transformers")

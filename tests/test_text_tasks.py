@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ppo_objectives import testing as K
-from ppo_objectives.envs import TokenLMEnv
-from ppo_objectives.text_tasks import (
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.train.text import (
     ARITHMETIC_TASKS,
     TextExample,
     TextTask,
@@ -252,7 +252,7 @@ def test_sampler_prompt_id_shape_is_checked():
 
 
 def test_greedy_evaluation_is_the_argmax_decode_of_the_full_forward(tok, chat_model_dir):
-    from ppo_objectives.pretrained import load_causal_lm
+    from ppo_objectives.train.pretrained import load_causal_lm
 
     lm = load_causal_lm(chat_model_dir).eval()
     task = _task(tok, M=4)
@@ -282,9 +282,9 @@ def _run_job(tmp_path, model_dir, **kw):
 def test_job_on_a_text_task_evaluates_logs_samples_and_exports(tmp_path, chat_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from ppo_objectives.models import HFCausalLMAdapter
-    from ppo_objectives.pretrained import load_tokenizer
-    from ppo_objectives.readouts import ResponseLogProbs
+    from ppo_objectives.llm.hf import HFCausalLMAdapter
+    from ppo_objectives.train.pretrained import load_tokenizer
+    from ppo_objectives.llm.readouts import ResponseLogProbs
     from ppo_objectives.train import read_metrics
 
     rows, out = _run_job(tmp_path, chat_model_dir)

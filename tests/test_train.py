@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from ppo_objectives import train as T
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyLMConfig
-from ppo_objectives.readouts import frozen_reference, make_actor_critic
+from ppo_objectives.llm.models import TinyLMConfig
+from ppo_objectives.llm.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress"]
 
@@ -232,9 +234,9 @@ def test_each_iteration_hands_the_freed_host_memory_back(monkeypatch, tmp_path):
     """glibc keeps freed heap pages; ``release_host_memory`` (called once per iteration) returns them."""
     import os
 
-    from ppo_objectives import _plumbing
+    from ppo_objectives.train import distributed, loop
 
-    if _plumbing._glibc_malloc_trim() is None:
+    if distributed._glibc_malloc_trim() is None:
         pytest.skip("the C library is not glibc: release_host_memory does nothing here")
 
     def rss() -> int:
@@ -246,9 +248,9 @@ def test_each_iteration_hands_the_freed_host_memory_back(monkeypatch, tmp_path):
         (kept if i % 2 else freed).append(torch.ones(16384))
     del freed  # 125 MiB freed between live tensors: nothing at the top of the heap to trim
     before = rss()
-    assert _plumbing.release_host_memory()
+    assert distributed.release_host_memory()
     assert before - rss() > 64 * 2**20
     calls = []
-    monkeypatch.setattr(_plumbing, "release_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(loop, "release_host_memory", lambda: calls.append(1) or True)
     T.train(T.TrainConfig(iterations=2, warmup_steps=0, num_envs=4, save_every=100, no_progress=True, out=str(tmp_path)))
     assert len(calls) == 2

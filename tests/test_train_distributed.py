@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from ppo_objectives import _plumbing
+from ppo_objectives.train import distributed
 from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss
 from test_train import SMALL, _pieces
@@ -227,11 +227,11 @@ def _ddp_worker(rank, init_file, results_dir):
         torch.manual_seed(0)
         cfg, ac, loss, opts, _ = _rollout(seed=0, ppo_epochs=1, minibatches=1, early_stop_kl=0.0)
         res["llm"] = llm.clone()
-        actor, critic, wrappers = _plumbing.wrap_ddp(ac, _plumbing.Dist(rank, WORLD, rank, pg), torch.device("cpu"))
+        actor, critic, wrappers = distributed.wrap_ddp(ac, distributed.Dist(rank, WORLD, rank, pg), torch.device("cpu"))
         ddp_loss = TokenPPOLoss(actor, critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
         stats = T.ppo_update(llm, ddp_loss, ac, opts, cfg, torch.Generator().manual_seed(0), process_group=pg)
         res["params"], res["stats"] = _params(ac), stats
-        _plumbing.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+        distributed.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
         # a NaN loss on rank 1 alone: both ranks skip the step (no collective left waiting)
         before, forward = _params(ac), ddp_loss.forward
 
@@ -254,7 +254,7 @@ def _ddp_worker(rank, init_file, results_dir):
         with torch.no_grad():
             ac.critic_head.weight.add_(1e-6 * rank)
         try:
-            _plumbing.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+            distributed.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
         except RuntimeError as err:
             res["drift_error"] = str(err)
         torch.save(res, os.path.join(results_dir, f"rank{rank}.pt"))

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ppo_objectives import _plumbing
+from ppo_objectives.train import loggers
 from ppo_objectives import train as T
 
 SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress", "--no-plot"]
@@ -90,7 +90,7 @@ def test_without_logger_only_metrics_csv_is_written(tmp_path):
     out = tmp_path / "run"
     _run(out, 1)
     assert not (out / "logs").exists()
-    assert _plumbing.make_logger("none", out, "run") is None and _plumbing.make_logger(None, out, "run") is None
+    assert loggers.make_logger("none", out, "run") is None and loggers.make_logger(None, out, "run") is None
 
 
 @pytest.mark.parametrize("kind", ["tensorboard", "wandb", "mlflow"])

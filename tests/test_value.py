@@ -14,7 +14,7 @@ from torch import nn
 from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 
 def naive_collector_gae(r, v, nv, mask, done, term, gamma, lmbda):

@@ -25,7 +25,8 @@ from torch import nn
 from torchrl.data import Bounded, Categorical, Composite, LazyTensorStorage, ReplayBuffer
 from torchrl.envs import EnvBase, TransformedEnv
 
-from ppo_objectives import AdaptiveKLController, KLPenaltyTransform
+from ppo_objectives import AdaptiveKLController
+from ppo_objectives import KLPenaltyTransform
 
 torch.set_printoptions(precision=3, sci_mode=False)
 

@@ -23,13 +23,16 @@ import time
 import torch
 from torchrl.collectors import Collector  # TorchRL 0.14's name for SyncDataCollector
 
-from ppo_objectives import frozen_reference, warm_start
-from ppo_objectives.envs import DigitTask, TokenLMEnv, trajectories_to_llm_batch
+from ppo_objectives.llm import frozen_reference
+from ppo_objectives.train.digit import warm_start
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.readouts import make_actor_critic
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.readouts import make_actor_critic
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 
@@ -169,7 +172,7 @@ print(f"mean reward: first {k} iterations {sum(rewards[:k]) / k:.3f} -> last {k}
       f"({time.perf_counter() - t_start:.0f}s)")
 with torch.no_grad():
     prompts = task.sample_prompts(5, gen)
-    from ppo_objectives.policy import sample_with_kv_cache
+    from ppo_objectives.llm.policy import sample_with_kv_cache
 
     resp, _, _ = sample_with_kv_cache(lm, prompts, prompts != task.PAD, M, eos_id=task.EOS)  # pads are not attended
 for p, r in zip(prompts, resp):

@@ -13,7 +13,7 @@ wrapper and collector, and swap in token-level PPO with a value function:
       -> TokenPPOLoss, Adam                                     a few PPO epochs per batch
 
 The full-sequence layout (keys, shapes, what ``mask`` means, where rewards,
-values and done flags live) is stated in ``ppo_objectives/layouts.py``.
+values and done flags live) is stated in ``ppo_objectives/llm/layouts.py``.
 
 Everything is local and tiny (no downloads): a character-level tokenizer built
 with ``tokenizers`` and a randomly initialised one-layer Llama. The task: the
@@ -63,7 +63,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
 from ppo_objectives.transforms import KLPenaltyTransform  # noqa: E402
-from ppo_objectives.value import MaskedGAE  # noqa: E402
+from ppo_objectives.value.gae import MaskedGAE
 from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch  # noqa: E402
 
 # --------------------------------------------------------------------------- #

@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from torchrl.collectors import Collector
 
-from ppo_objectives import frozen_reference
+from ppo_objectives.llm import frozen_reference
 from ppo_objectives import functional as F
-from ppo_objectives.envs import TokenLMEnv
-from ppo_objectives.layouts import ToLLMBatch
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.layouts import ToLLMBatch
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.pretrained import export_hf_checkpoint, load_causal_lm, load_tokenizer
-from ppo_objectives.readouts import make_actor_critic
-from ppo_objectives.text_tasks import TextTask, arithmetic_examples, evaluate, number_reward
+from ppo_objectives.train.pretrained import export_hf_checkpoint, load_causal_lm, load_tokenizer
+from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.train.text import TextTask, arithmetic_examples, evaluate, number_reward
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
-from ppo_objectives.value import MaskedGAE
+from ppo_objectives.value.gae import MaskedGAE
 
 SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 

@@ -50,7 +50,9 @@ import tempfile
 
 import torch
 
-from ppo_objectives import GroupAdvantage, ReinforcePlusPlus, TokenPPOLoss
+from ppo_objectives import GroupAdvantage
+from ppo_objectives import ReinforcePlusPlus
+from ppo_objectives import TokenPPOLoss
 from ppo_objectives import testing as K
 from ppo_objectives import train as T
 

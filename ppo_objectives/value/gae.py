@@ -44,7 +44,7 @@ class MaskedGAE(ValueEstimatorBase):
 
     where ``t + 1`` is the next *valid* step (masked steps are skipped, their
     entries never read). The arithmetic is :func:`ppo_objectives.functional.masked_gae`,
-    one function for both layouts (see ``ppo_objectives/layouts.py`` and
+    one function for both layouts (see ``ppo_objectives/llm/layouts.py`` and
     ``docs/design.md``); this class maps TensorDict keys to its arguments.
 
     Two forms, chosen by the presence of done flags:

@@ -1,7 +1,4 @@
-"""What the training job needs around the PPO iteration (internal).
-
-:mod:`ppo_objectives.train` reads as the algorithm; this module holds the rest, so
-that it can be read (and tested) on its own:
+"""Where the job runs: ``torchrun`` ranks, DDP and FSDP2 wrappers, the host's memory (internal).
 
 * **torch.distributed** -- where this process stands in a ``torchrun`` job
   (:class:`Dist`, :func:`init_distributed`, :func:`close_distributed`), the
@@ -12,82 +9,22 @@ that it can be read (and tested) on its own:
   ``torch.distributed.fsdp.fully_shard`` (each transformer block, then the root), the
   whole actor gathered for the rollout, gradient clipping over sharded gradients, and
   checkpoint entries that gather (and scatter back) full model and optimizer state dicts;
-* **checkpoints** -- the state of a run (networks, optimizers, KL controller,
-  collapse guard, the RNG states of every rank), written atomically and read back
-  for ``--resume``;
-* **RNG state** capture and restore (torch, CUDA, the update generator, the env's
-  prompt generator);
-* **the metrics CSV** (``metrics.csv``: append a row, drop the rows an interrupted
-  run logged after its last checkpoint, read it back);
-* **TorchRL loggers** (``--logger``: a ``torchrl.record.loggers`` logger writing
-  under ``OUT/logs``, offline, that receives every row of ``metrics.csv``);
-* **optimizer snapshots** -- copies of the parameters and AdamW's state, put back
-  in place when the trust region undoes a step;
-* **host memory** -- the C heap's free pages handed back to the system once per iteration;
-* **stderr lines** that do not break the progress bar.
-
-It is internal: the names are plain so :mod:`ppo_objectives.train` can import them,
-but they are not part of the public API (``read_metrics`` is, through
-:mod:`ppo_objectives.train`). The layering is in ``docs/design.md``.
+* **host memory** -- the C heap's free pages handed back to the system once per iteration.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import ctypes
 import ctypes.util
 import functools
-import importlib.util
-import json
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
-
 import torch
 import torch.distributed as dist
 from tensordict.nn import TensorDictModule
-
-from ppo_objectives.readouts import ActorCritic
-
-__all__ = [
-    "Dist",
-    "all_reduce",
-    "append_metrics",
-    "LOGGERS",
-    "check_logger",
-    "check_fsdp",
-    "check_ranks_in_sync",
-    "checkpoint_state",
-    "clip_grad_norm_",
-    "close_distributed",
-    "close_logger",
-    "fsdp_stateful",
-    "gathered_for_rollout",
-    "init_distributed",
-    "launched_world_size",
-    "load_checkpoint",
-    "log_row",
-    "log_skip",
-    "make_logger",
-    "param_checksums",
-    "read_metrics",
-    "release_host_memory",
-    "restore",
-    "restore_rng_states",
-    "restore_state",
-    "rng_states",
-    "save_checkpoint",
-    "shard_fsdp",
-    "snapshot",
-    "transformer_blocks",
-    "truncate_metrics",
-    "untied_lm_head",
-    "warn",
-    "wrap_ddp",
-]
+from ppo_objectives.llm.readouts import ActorCritic
 
 
 # --------------------------------------------------------------------------- #
@@ -277,7 +214,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     Found generically: ``TinyCausalLM.blocks``, ``HFCausalLMAdapter.hf_model.model.layers`` (Llama, Qwen2).
 
     Example:
-        >>> from ppo_objectives.models import TinyCausalLM, TinyLMConfig
+        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
         >>> lm = TinyCausalLM(TinyLMConfig.preset("nano", vocab_size=10, block_size=8))
         >>> blocks = transformer_blocks(lm)
         >>> len(blocks), all(b is lm.blocks[i] for i, b in enumerate(blocks))
@@ -343,7 +280,7 @@ def gathered_for_rollout(model: torch.nn.Module) -> Iterator[None]:
     """The whole of a sharded ``model`` on every rank while the block runs; nothing for an unsharded one.
 
     The env policy calls the actor once or twice per env step, depending on which rows reset
-    (``NextTokenLogits``' prefill of stale rows, ``ppo_objectives/policy.py``), so the ranks make
+    (``NextTokenLogits``' prefill of stale rows, ``ppo_objectives/llm/policy.py``), so the ranks make
     different numbers of forwards in a rollout: with sharded parameters each forward would all-gather,
     and the ranks would wait on each other's collectives. Inside this block every FSDP group of ``model``
     is all-gathered once (``FSDPModule.unshard``) and kept whole (``set_reshard_after_forward(False)``),
@@ -442,307 +379,6 @@ def fsdp_stateful(stateful: Mapping[str, object], ac: ActorCritic) -> dict:
 
 
 # --------------------------------------------------------------------------- #
-# RNG states
-# --------------------------------------------------------------------------- #
-
-
-def rng_states(generator: torch.Generator, env_generator: torch.Generator, device: torch.device) -> dict:
-    """This process's RNG states: torch's, the update ``generator``'s, the env's prompts', CUDA's."""
-    return dict(
-        torch_rng=torch.get_rng_state(), update_rng=generator.get_state(), env_rng=env_generator.get_state(),
-        cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    )  # fmt: skip
-
-
-def restore_rng_states(ckpt: dict, rank: int, generator: torch.Generator, env_generator: torch.Generator,
-                       device: torch.device) -> None:
-    """Put back the RNG states of ``rank`` saved in ``ckpt`` (a checkpoint of one process has them at top level)."""
-    rng = ckpt["rank_rng"][rank] if "rank_rng" in ckpt else ckpt
-    torch.set_rng_state(rng["torch_rng"])
-    generator.set_state(rng["update_rng"])
-    env_generator.set_state(rng["env_rng"])
-    if rng.get("cuda_rng") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda_rng"], device)
-
-
-# --------------------------------------------------------------------------- #
-# Checkpoints
-# --------------------------------------------------------------------------- #
-
-OPTIONAL_STATE = ("collapse_guard",)  # absent from checkpoints written before the collapse guard existed
-
-
-def checkpoint_state(iteration: int, config: dict, d: Dist, stateful: Mapping[str, object], rng: dict) -> dict:
-    """The checkpoint of a run after ``iteration``: ``config``, the world size, the ``state_dict()`` of
-    every entry of ``stateful`` under its name, this rank's ``rng`` states and every rank's (``rank_rng``).
-
-    Under ``torchrun`` this is a collective (the RNG states are gathered): every rank calls it
-    at the same iterations.
-    """
-    rank_rng = [rng]
-    if d.group is not None:
-        rank_rng = [None] * d.world
-        dist.all_gather_object(rank_rng, rng, group=d.group)
-    return dict(
-        iteration=iteration, config=config, world_size=d.world,
-        **{name: obj.state_dict() for name, obj in stateful.items()}, **rank_rng[0], rank_rng=rank_rng,
-    )  # fmt: skip
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
-
-
-def write_run_config(out: Path, iteration: int, config: dict) -> None:
-    """``out/run_config.json``: the checkpoint's iteration and configuration, beside it (read without loading
-    the checkpoint's tensors), written atomically after the checkpoint."""
-    tmp = out / "run_config.json.tmp"
-    tmp.write_text(json.dumps({"iteration": iteration, "config": config}, indent=1))
-    os.replace(tmp, out / "run_config.json")
-
-
-def read_run_config(out: Path) -> dict | None:
-    """``{"iteration", "config"}`` of the checkpoint in ``out`` (``None`` without a checkpoint); from
-    ``run_config.json``, else from the checkpoint itself."""
-    path = out / "checkpoint.pt"
-    if not path.exists():
-        return None
-    meta = out / "run_config.json"
-    if meta.exists():
-        saved = json.loads(meta.read_text())
-        if saved["iteration"] == torch.load(path, map_location="cpu", weights_only=False, mmap=True)["iteration"]:
-            return saved
-    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return {"iteration": int(ckpt["iteration"]), "config": ckpt.get("config", {})}
-
-
-def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
-    """The checkpoint at ``path`` for ``--resume``, ``None`` (and a note on stderr) when there is none.
-
-    Raises a ``ValueError`` when it was written by a job with another number of processes.
-    """
-    ckpt = torch.load(path, map_location=device, weights_only=False) if path.exists() else None
-    if ckpt is None and d.main:
-        print(f"--resume: no checkpoint at {path}; starting fresh", file=sys.stderr)
-    if ckpt is not None and ckpt.get("world_size", 1) != d.world:
-        raise ValueError(
-            f"--resume: {path} was written by a run with {ckpt.get('world_size', 1)} process(es), this one has "
-            f"{d.world}; resume with the same torchrun --nproc_per_node (each rank restores its own RNG states)"
-        )
-    return ckpt
-
-
-def restore_state(ckpt: dict, stateful: Mapping[str, object]) -> int:
-    """Load every entry of ``stateful`` from ``ckpt`` (in order); returns the checkpoint's iteration."""
-    for name, obj in stateful.items():
-        if name in ckpt or name not in OPTIONAL_STATE:
-            obj.load_state_dict(ckpt[name])
-    return int(ckpt["iteration"])
-
-
-# --------------------------------------------------------------------------- #
-# The metrics CSV
-# --------------------------------------------------------------------------- #
-
-
-def append_metrics(path: Path, row: dict, fieldnames: Sequence[str]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fieldnames, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow({k: row.get(k, "") for k in fieldnames})
-
-
-def truncate_metrics(path: Path, iteration: int, fieldnames: Sequence[str]) -> None:
-    """Drop the rows after ``iteration`` (logged after the last checkpoint by a run that then
-    died): the resumed run logs those iterations again. Atomic, like the checkpoint."""
-    if not path.exists():
-        return
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    keep = [r for r in rows if r.get("iteration") and float(r["iteration"]) <= iteration]
-    if len(keep) == len(rows):
-        return
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fieldnames, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: r.get(k, "") or "" for k in fieldnames} for r in keep)
-    os.replace(tmp, path)
-
-
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    """The rows of a ``metrics.csv``, every non-empty cell as a float."""
-    with Path(path).open() as f:
-        return [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
-
-
-# --------------------------------------------------------------------------- #
-# TorchRL loggers (--logger)
-# --------------------------------------------------------------------------- #
-
-LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
-_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # csv needs none
-_WANDB_ID = "wandb_run_id"  # OUT/logs/wandb_run_id: the W&B run a --resume continues
-
-
-def check_logger(kind: str | None) -> None:
-    """Raise an ``ImportError`` naming the ``loggers`` extra when the package of ``kind`` is not installed
-    (``None`` / ``"none"``: no logger, nothing to check)."""
-    if kind in (None, "none"):
-        return
-    if kind not in LOGGERS:
-        raise ValueError(f"logger={kind!r} is not one of {('none', *LOGGERS)}")
-    package = _LOGGER_PACKAGES.get(kind)
-    if package is not None and importlib.util.find_spec(package) is None:
-        raise ImportError(
-            f"--logger {kind} needs the {package} package, which is not installed: "
-            f'pip install "ppo_objectives[loggers]" (or pip install {package})'
-        )
-
-
-def make_logger(kind: str | None, out_dir: Path, exp_name: str, *, start_step: int = 0):
-    """The ``torchrl.record.loggers`` logger of ``--logger kind``, writing under ``out_dir/logs``; ``None``
-    for ``None`` / ``"none"``.
-
-    ``csv``: ``logs/EXP/scalars/NAME.csv`` (``step,value`` lines, :class:`~torchrl.record.loggers.CSVLogger`);
-    ``tensorboard``: event files in ``logs/EXP``; ``wandb``: an offline run in ``logs/wandb`` (unless
-    ``WANDB_MODE`` says otherwise); ``mlflow``: a local tracking store, ``logs/mlflow.db`` (SQLite) with
-    the artifacts in ``logs/mlartifacts`` (``file:``).
-
-    ``start_step``: the iteration a ``--resume`` continues from. What the interrupted run logged after it
-    is dropped, as from ``metrics.csv`` (CSV rows removed, TensorBoard events purged from that step on),
-    and a W&B run continues under its id. An MLflow resume logs into a new run of the same experiment.
-    """
-    check_logger(kind)
-    if kind in (None, "none"):
-        return None
-    from torchrl.record.loggers import MLFlowLogger, get_logger
-
-    log_dir = Path(out_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if kind == "wandb":
-        return _wandb_logger(log_dir, exp_name, start_step)
-    if kind == "mlflow":  # MLflow >= 3.10 refuses file-system tracking stores: SQLite, artifacts as files
-        return MLFlowLogger(exp_name, tracking_uri=f"sqlite:///{(log_dir / 'mlflow.db').resolve()}",
-                            artifact_location=(log_dir / "mlartifacts").resolve().as_uri())
-    if kind == "csv" and start_step:
-        _truncate_scalar_files(log_dir / exp_name / "scalars", start_step)
-    logger = get_logger(kind, str(log_dir), exp_name)
-    if kind == "tensorboard" and start_step:
-        _purge_tensorboard(logger.experiment, start_step + 1)
-    return logger
-
-
-def log_row(logger, row: Mapping[str, float], step: int, fieldnames: Sequence[str]) -> None:
-    """``logger.log_scalar(name, row[name], step=step)`` for every field of ``row`` but ``iteration``
-    (the step); nothing without a logger."""
-    if logger is None:
-        return
-    for name in fieldnames:
-        if name != "iteration" and name in row:
-            logger.log_scalar(name, float(row[name]), step=step)
-
-
-def close_logger(logger) -> None:
-    """Flush and close ``logger`` (``None``: nothing); an MLflow run is ended (``Logger.close`` leaves it active)."""
-    if logger is None:
-        return
-    from torchrl.record.loggers import MLFlowLogger
-
-    logger.close()
-    if isinstance(logger, MLFlowLogger):
-        import mlflow
-
-        mlflow.end_run()
-
-
-def _wandb_logger(log_dir: Path, exp_name: str, start_step: int):
-    from torchrl.record.loggers import WandbLogger
-
-    id_file = log_dir / _WANDB_ID
-    run_id = id_file.read_text().strip() if start_step and id_file.exists() else None
-    logger = WandbLogger(exp_name, save_dir=str(log_dir), id=run_id, project="ppo_objectives",
-                         mode=os.environ.get("WANDB_MODE", "offline"))
-    id_file.write_text(str(logger.experiment.id))
-    return logger
-
-
-def _truncate_scalar_files(scalars_dir: Path, step: int) -> None:
-    """Drop the ``step,value`` lines after ``step`` from the CSV logger's files (atomic, per file)."""
-    for path in sorted(scalars_dir.glob("*.csv")) if scalars_dir.is_dir() else ():
-        lines = path.read_text().splitlines(keepends=True)
-        keep = [line for line in lines if line.strip() and float(line.split(",", 1)[0]) <= step]
-        if len(keep) < len(lines):
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text("".join(keep))
-            os.replace(tmp, path)
-
-
-def _purge_tensorboard(writer, step: int) -> None:
-    """What ``SummaryWriter(purge_step=step)`` writes: TensorBoard hides the events at ``step`` and later
-    of the earlier event files."""
-    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
-    writer.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
-
-
-# --------------------------------------------------------------------------- #
-# Optimizer snapshots (the trust region's undo)
-# --------------------------------------------------------------------------- #
-
-
-def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
-    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
-    FSDP-sharded tensors (``DTensor``) are copied shard by shard: each rank keeps a copy of its shards.
-
-    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
-    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
-    """
-    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
-            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
-    if reuse is not None and len(reuse[2]) == len(live):
-        saved_params, states, flat = reuse
-        sources = [p.detach() for p in params] + [v for *_, v in live]
-        torch._foreach_copy_(_locals(saved_params + flat), _locals(sources))
-        return reuse
-    saved_params = [p.detach().clone() for p in params]
-    states = [{} for _ in optimizers]
-    flat = []
-    for i, p, k, v in live:
-        copy_v = v.clone()
-        states[i].setdefault(p, {})[k] = copy_v
-        flat.append(copy_v)
-    return saved_params, states, flat
-
-
-def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor, or the local shard of a ``DTensor`` (FSDP's parameters and AdamW moments): in-place
-    copies between tensors of the same sharding run on the shards."""
-    from torch.distributed.tensor import DTensor
-
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
-
-def restore(snap, params, optimizers) -> None:
-    """Put back what :func:`snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
-    saved_params, states, _ = snap
-    with torch.no_grad():
-        for p, saved in zip(params, saved_params):
-            p.copy_(saved)
-    for opt, saved in zip(optimizers, states):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p in saved:
-                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
-                else:  # the snapshot was taken before this parameter's first step
-                    opt.state.pop(p, None)
-
-
-# --------------------------------------------------------------------------- #
 # Host memory
 # --------------------------------------------------------------------------- #
 
@@ -772,24 +408,3 @@ def release_host_memory() -> bool:
         return False
     trim(0)
     return True
-
-
-# --------------------------------------------------------------------------- #
-# stderr
-# --------------------------------------------------------------------------- #
-
-
-def log_skip(rank: int, process_group, why: str, epoch: int, minibatch: int) -> None:
-    """The stderr line of a minibatch step skipped by the non-finite guard."""
-    where = f" on rank {rank}" if process_group is not None else ""
-    print(f"ppo_update: {why}{where} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
-          "(on every rank; counted in skipped_steps)", file=sys.stderr, flush=True)
-
-
-def warn(line: str, bar) -> None:
-    """A warning line on stderr that does not break the progress bar."""
-    text = f"WARNING ppo: {line}"
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Triton kernel for masked GAE on CUDA: one program per row, a chunked reverse linear scan.
 
-Imported lazily by ``_gae_fast.gae_advantages_triton`` only (this module imports ``triton``).
+Imported lazily by ``_kernels.gae.gae_advantages_triton`` only (this module imports ``triton``).
 
 Shape letters: ``N`` rows, ``R`` tokens per row, ``BLOCK`` tokens per chunk of the scan.
 
@@ -131,7 +131,7 @@ def masked_gae_triton(
     ends: Tensor | None = None,
     end_values: Tensor | None = None,
 ) -> Tensor:
-    """Raw masked GAE advantages ``[N, R]`` (contract of ``_gae_fast.gae_advantages_torch``).
+    """Raw masked GAE advantages ``[N, R]`` (contract of ``_kernels.gae.gae_advantages_torch``).
 
     ``gamma`` / ``lam`` as Python floats go to the kernel as arguments for float32 rows; 0-d
     tensors (or float64 rows, to keep float64 precision) go through a 2-element device buffer

@@ -35,7 +35,7 @@ data-dependent shape, so ``torch.compile(fullgraph=True)`` compiles it:
 4. ``gather`` the packed advantages back to the original positions (masked ones read a
    zero column).
 
-``"triton"`` (:func:`gae_advantages_triton`, kernel in ``_triton_gae``): CUDA only, one
+``"triton"`` (:func:`gae_advantages_triton`, kernel in ``_kernels.triton_gae``): CUDA only, one
 program per row runs a chunked reverse linear scan (``tl.associative_scan``) in one pass
 over the inputs. Chosen by ``backend="auto"`` on CUDA tensors when Triton imports.
 
@@ -385,6 +385,6 @@ def gae_advantages_triton(
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     if needs_grad:
         return gae_advantages_torch(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)
-    from ppo_objectives._triton_gae import masked_gae_triton
+    from ppo_objectives._kernels.triton_gae import masked_gae_triton
 
     return masked_gae_triton(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)

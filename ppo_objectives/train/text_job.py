@@ -2,8 +2,8 @@
 
 The tasks from the flags (``--task chat-add1 | chat-add2 | jsonl``), the held-out
 evaluation every ``--eval-every`` iterations with its samples log, and the export
-of the trained actor as a Hugging Face directory. ``ppo_objectives/train.py``
-calls these; the text tasks themselves are :mod:`ppo_objectives.text_tasks`.
+of the trained actor as a Hugging Face directory. ``ppo_objectives/train/``
+calls these; the text tasks themselves are :mod:`ppo_objectives.train.text`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ppo_objectives.pretrained import load_tokenizer
-from ppo_objectives.text_tasks import (
+from ppo_objectives.train.pretrained import load_tokenizer
+from ppo_objectives.train.text import (
     ARITHMETIC_TASKS,
     TextTask,
     arithmetic_examples,
@@ -127,7 +127,7 @@ def export_hf(model: torch.nn.Module, tokenizer, path: Path) -> None:
     """Save the actor's Hugging Face model and its tokenizer (chat template included) to ``path``.
 
     Written to a temporary directory first and swapped in, so ``path`` always holds a whole
-    checkpoint. ``model`` is an :class:`~ppo_objectives.models.HFCausalLMAdapter`.
+    checkpoint. ``model`` is an :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`.
     """
     from transformers.utils import logging as hf_logging
 

@@ -1,0 +1,497 @@
+"""A token-level language-model environment for TorchRL, for any task that follows :class:`LMTask`.
+
+:class:`TokenLMEnv` is a batched ``torchrl.envs.EnvBase`` in which **one step
+is one token**: the policy reads the token buffer and emits the next token id;
+the episode ends at EOS (``terminated``) or after ``max_new_tokens`` tokens
+(``truncated``). Rows reset independently, so a TorchRL collector keeps every
+row busy. :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch` turns the
+collector's per-token batch ``[N, T]`` into the response layout (one row per
+finished response, ``[B, R]`` per-token entries) that the losses read.
+
+:class:`LMTask` is what the env needs of a task (a prompt sampler, a reward, the
+widths and the special ids); the shipped tasks live with the training job:
+:class:`~ppo_objectives.train.digit.DigitTask` (a verifiable toy task) and
+:class:`~ppo_objectives.train.text.TextTask` (chat prompts on a real tokenizer).
+
+Shape letters:
+
+- ``N``: parallel env rows (``env.batch_size == [N]``); ``T``: collector steps.
+- ``P``: prompt width (prompts are **left-padded** to it, as in MiniMind);
+  ``M = max_new_tokens``; ``S = P + M``: the token buffer.
+- ``B``: finished responses in a batch; ``R = M``: response length (padded).
+
+Observation / action / reward (all TensorDict keys at the root):
+
+=====================  ================  ==============================================
+key                    shape, dtype      meaning
+=====================  ================  ==============================================
+``tokens``             ``[N, S]`` int64  prompt (columns ``< P``) then generated tokens
+``attention_mask``     ``[N, S]`` bool   True = real token (prompt or generated)
+``position``           ``[N]`` int64     column the next token goes to (``P + step``)
+``prompt_id``          ``[N]`` int64     the row's prompt: its index in a finite source, the
+                                         id a sampler returns with it, else its draw number
+``group``              ``[N]`` int64     the row's group: the rows that drew one prompt together
+                                         (``group_size`` of them at a full reset) share it
+``action``             ``[N]`` int64     the next token id (integer dtype)
+``("next","reward")``  ``[N, 1]`` f32    sequence score on the last token (+ shaping)
+``("next","done")``    ``[N, 1]`` bool   ``terminated | truncated``
+=====================  ================  ==============================================
+
+Example (the reverse task, a scripted policy that answers correctly):
+    >>> import torch
+    >>> from ppo_objectives.train.digit import DigitTask
+    >>> task = DigitTask("reverse", num_digits=3)
+    >>> env = TokenLMEnv.from_task(task, num_envs=1, seed=0)
+    >>> td = env.reset()
+    >>> task.decode(td["tokens"][0, : env.prompt_len])
+    '930<'
+    >>> for tok in task.encode("039."):
+    ...     td["action"] = torch.tensor([tok])
+    ...     td = env.step(td)
+    ...     reward, done = td["next", "reward"].item(), td["next", "done"].item()
+    ...     td = td["next"]
+    >>> reward, done, td["terminated"].item()
+    (1.0, True, True)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+from ppo_objectives import _validate
+
+__all__ = ["LMTask", "RewardFn", "TokenLMEnv"]
+
+
+RewardFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@runtime_checkable
+class LMTask(Protocol):
+    """What :meth:`TokenLMEnv.from_task` needs of a task.
+
+    The task is the prompt sampler: ``task(k, generator)`` returns ``k`` prompts, as a
+    left-padded ``[k, P]`` tensor, a list of rows, or a dict with the rows and one
+    ``prompt_id`` per prompt.
+    ``reward(prompt, prompt_mask, response, response_mask) -> [k]`` scores finished
+    responses. ``answer_len`` is the default ``max_new_tokens``. The shipped tasks,
+    :class:`~ppo_objectives.train.digit.DigitTask` and
+    :class:`~ppo_objectives.train.text.TextTask`, follow it.
+    """
+
+    prompt_len: int
+    answer_len: int
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+
+    def __call__(self, k: int, generator: torch.Generator) -> Tensor | list | dict: ...
+
+    def reward(self, prompt: Tensor, prompt_mask: Tensor, response: Tensor, response_mask: Tensor) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------- #
+# Prompt sources
+# --------------------------------------------------------------------------- #
+
+
+class _PromptStream:
+    """Draws prompts from a callable sampler, a tensor / list (cycled), or any iterable, each with its
+    prompt id: the index in a finite source, the ``prompt_id`` a sampler returns, else the draw number."""
+
+    def __init__(self, source: Any, pad_id: int):
+        self.pad_id = pad_id
+        self._draws = 0  # prompts drawn so far (the id of a prompt that has no other)
+        self._pending: list[tuple[Tensor, int]] = []
+        self._iter = None
+        if callable(source) and not isinstance(source, (Tensor, list, tuple)) and not hasattr(source, "__iter__"):
+            self.kind = "sampler"
+        elif isinstance(source, (Tensor, list, tuple)):
+            self.kind = "finite"
+            if len(source) == 0:
+                raise ValueError("the prompt source is empty: give at least one prompt")
+        elif isinstance(source, Iterable):
+            self.kind = "iterable"
+        else:
+            raise TypeError(
+                f"prompts must be a callable (k, generator) -> prompts, a tensor, a list of token-id sequences, "
+                f"or an iterable / DataLoader of them; got {type(source).__name__}"
+            )
+        self.source = source
+        self._cursor = 0
+
+    def _rows(self, item) -> list[Tensor]:
+        """One source item -> 1-D prompts with the left padding stripped."""
+        if isinstance(item, dict) or isinstance(item, TensorDictBase):
+            ids = torch.as_tensor(item["input_ids"])
+            mask = item.get("attention_mask", None) if isinstance(item, dict) else item.get("attention_mask", None)
+            mask = torch.as_tensor(mask).bool() if mask is not None else ids != self.pad_id
+            ids = ids.reshape(-1, ids.shape[-1])
+            mask = mask.reshape(-1, ids.shape[-1])
+            return [r[m] for r, m in zip(ids, mask)]
+        t = torch.as_tensor(item, dtype=torch.long)
+        if t.dim() == 1:
+            return [t]
+        if t.dim() == 2:  # a batch of left-padded prompts
+            return [r[r.ne(self.pad_id).long().cummax(0).values.bool()] for r in t]
+        raise ValueError(f"a prompt must be 1-D (or a 2-D batch), got shape {tuple(t.shape)}")
+
+    def _draw_ids(self, k: int) -> Tensor:
+        ids = torch.arange(self._draws, self._draws + k)
+        self._draws += k
+        return ids
+
+    def take(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``k`` prompts left-padded to ``width``: ``(ids [k, width], mask [k, width], prompt_id [k])`` on the CPU."""
+        if self.kind == "sampler":
+            return self._take_sampled(k, generator, width)
+        out: list[tuple[Tensor, int]] = []
+        while len(out) < k:
+            if self._pending:
+                out.append(self._pending.pop(0))
+                continue
+            if self.kind == "finite":
+                item = self.source[self._cursor % len(self.source)]
+                index = self._cursor % len(self.source)
+                self._cursor += 1
+                self._pending.extend((row, index) for row in self._rows(item))
+            else:
+                if self._iter is None:
+                    self._iter = iter(self.source)
+                try:
+                    item = next(self._iter)
+                except StopIteration:
+                    self._iter = iter(self.source)
+                    if self._iter is self.source:  # a one-shot iterator cannot be restarted
+                        raise ValueError(
+                            "the prompt iterator is exhausted; pass a re-iterable source (a list, a DataLoader)"
+                        ) from None
+                    try:
+                        item = next(self._iter)
+                    except StopIteration:
+                        raise ValueError("the prompt iterable yielded nothing; give a non-empty source") from None
+                rows = self._rows(item)
+                self._pending.extend(zip(rows, self._draw_ids(len(rows)).tolist()))
+        ids, mask = self._pad_rows([row for row, _ in out], width)
+        return ids, mask, torch.tensor([i for _, i in out], dtype=torch.long)
+
+    def _take_sampled(self, k: int, generator: torch.Generator, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.source(k, generator)
+        prompt_id = None
+        if isinstance(out, dict) and "prompt_id" in out:
+            prompt_id = torch.as_tensor(out["prompt_id"], dtype=torch.long).reshape(-1)
+            if prompt_id.shape != (k,):
+                raise ValueError(f"the prompt sampler returned prompt_id of shape {tuple(prompt_id.shape)} for "
+                                 f"k={k}; return one id per prompt, shape ({k},)")
+        if isinstance(out, Tensor) and out.dim() == 2:  # fast path: already a left-padded batch
+            if out.shape[0] != k:
+                raise ValueError(f"the prompt sampler returned {out.shape[0]} prompts for k={k}")
+            ids, mask = self._pad_batch(out.long(), width)
+        else:
+            if isinstance(out, (Tensor, dict)):
+                rows = self._rows(out)
+            else:
+                rows = [torch.as_tensor(r, dtype=torch.long) for r in out]
+            if len(rows) != k:
+                raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
+            ids, mask = self._pad_rows(rows, width)
+        return ids, mask, self._draw_ids(k) if prompt_id is None else prompt_id
+
+    def _pad_batch(self, ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        mask = ids.ne(self.pad_id).long().cummax(1).values.bool()  # real from the first non-pad token on
+        n = mask.sum(1)
+        if ids.shape[1] > width:
+            too_long = (n > width).nonzero()
+            if too_long.numel():
+                i = int(too_long[0, 0])
+                self._too_long(i, int(n[i]), width)
+            ids, mask = ids[:, -width:], mask[:, -width:]
+        if bool((n == 0).any()):
+            self._too_long(int((n == 0).nonzero()[0, 0]), 0, width)
+        pad = width - ids.shape[1]
+        if pad:
+            ids = torch.cat([torch.full((ids.shape[0], pad), self.pad_id, dtype=torch.long), ids], 1)
+            mask = torch.cat([torch.zeros(ids.shape[0], pad, dtype=torch.bool), mask], 1)
+        return ids, mask
+
+    def _pad_rows(self, prompts: list[Tensor], width: int) -> tuple[Tensor, Tensor]:
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            n = p.numel()
+            if n == 0 or n > width:
+                self._too_long(i, n, width)
+            ids[i, width - n :] = p
+            mask[i, width - n :] = True
+        return ids, mask
+
+    @staticmethod
+    def _too_long(i: int, n: int, width: int):
+        raise ValueError(
+            f"prompt {i} has {n} tokens but the env's prompt_len is P={width}; every prompt needs 1..P "
+            f"tokens: raise prompt_len or shorten the prompts"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# The environment
+# --------------------------------------------------------------------------- #
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` that can be passed by keyword (``**kwargs`` does not count)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature (a builtin): the plain call
+        return False
+    p = params.get(name)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+class TokenLMEnv(EnvBase):
+    """Batched token-by-token generation as a TorchRL environment.
+
+    Args:
+        prompts: where prompts come from: a callable ``(k, generator) -> k prompts``
+            (a :class:`DigitTask` is one), a 2-D tensor of left-padded prompts or a
+            list of token-id sequences (cycled in order), or any iterable /
+            ``DataLoader`` yielding prompts, batches of them, or dicts with
+            ``input_ids`` (+ ``attention_mask``); exhausted iterables restart.
+        reward_fn: ``(prompt_ids [k, P], prompt_mask [k, P], response_ids [k, M],
+            response_mask [k, M]) -> [k]`` score of each **finished** response (only
+            finished rows are passed), placed on its last token. Exactly ``[k]``: any
+            other shape (``[k, 1]``, a scalar) is an error. A ``reward_fn`` with a
+            ``prompt_id`` parameter also gets the rows' prompt ids ``[k]`` as
+            ``prompt_id=`` (how :class:`~ppo_objectives.train.text.TextTask` finds each
+            prompt's reward fields).
+        num_envs: ``N``, the batch of rows.
+        prompt_len: ``P``; longer prompts raise.
+        max_new_tokens: ``M``; a row that reaches it without EOS is ``truncated``.
+        eos_id / pad_id: token ids.
+        vocab_size: ``V`` (the action space).
+        token_reward_fn: optional shaping ``(response_ids [N, M], response_mask [N, M],
+            index [N]) -> [N]`` added to every step's reward (``index`` = the
+            response index of the token just generated).
+        device: where the env's tensors live.
+        seed: seed of the prompt generator (:meth:`set_seed`).
+        group_size: ``G``, responses sampled per prompt (GRPO, RLOO): a full reset draws
+            ``N / G`` prompts and gives each to ``G`` consecutive rows, which share a ``group``
+            id (``N`` must be a multiple of ``G``). A row that finishes and restarts inside a
+            batch draws a prompt of its own, in a group of one (the group estimators give such a
+            response advantage 0); with ``reset_at_each_iter=True`` every batch starts with full
+            groups. ``G = 1``: every draw is its own group.
+
+    Prompts are left-padded to width ``P`` so every response starts at column
+    ``P``. ``reset`` draws a fresh prompt for each row being reset (only those:
+    ``_reset`` partial resets draw ``k`` prompts for ``k`` rows). Each row carries its
+    prompt's ``prompt_id`` (the index of the prompt in a finite source, the
+    ``prompt_id`` entry a sampler returns in a dict with ``input_ids`` /
+    ``attention_mask``, else the draw number), which
+    :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch` keeps per response.
+
+    Example:
+        >>> from torchrl.envs.utils import check_env_specs
+        >>> from ppo_objectives.train.digit import DigitTask
+        >>> env = TokenLMEnv.from_task(DigitTask("copy", 2), num_envs=4, seed=0)
+        >>> check_env_specs(env)  # doctest: +ELLIPSIS
+        >>> env.batch_size, env.prompt_len, env.max_new_tokens
+        (torch.Size([4]), 3, 3)
+    """
+
+    def __init__(
+        self,
+        prompts: Any,
+        reward_fn: RewardFn,
+        *,
+        num_envs: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int = 0,
+        token_reward_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        group_size: int = 1,
+    ):
+        for name, value, low in (
+            ("num_envs", num_envs, 1),
+            ("group_size", group_size, 1),
+            ("prompt_len", prompt_len, 1),
+            ("max_new_tokens", max_new_tokens, 1),
+            ("vocab_size", vocab_size, 2),
+        ):
+            _validate.check_int(name, value, low=low, where="TokenLMEnv ")
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= value < vocab_size:
+                raise ValueError(f"TokenLMEnv {name}={value} is outside the vocabulary [0, {vocab_size})")
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        super().__init__(device=device, batch_size=torch.Size([num_envs]))
+        self.prompt_len, self.max_new_tokens, self.vocab_size = prompt_len, max_new_tokens, vocab_size
+        self.eos_id, self.pad_id = eos_id, pad_id
+        if num_envs % group_size:
+            raise ValueError(
+                f"TokenLMEnv num_envs={num_envs} is not a multiple of group_size={group_size}: a full reset gives each "
+                f"prompt to {group_size} rows; use num_envs={group_size * max(1, num_envs // group_size)}"
+            )
+        self.group_size = group_size
+        self._groups = 0  # groups drawn so far (the next group id)
+        self.reward_fn, self.token_reward_fn = reward_fn, token_reward_fn
+        self._reward_takes_prompt_id = _takes_keyword(reward_fn, "prompt_id")
+        self._prompts = _PromptStream(prompts, pad_id)
+        self._generator = torch.Generator()
+        self._make_specs()
+        self.set_seed(0 if seed is None else seed)
+
+    @classmethod
+    def from_task(cls, task, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
+                  **kwargs) -> "TokenLMEnv":
+        """An env for a task that follows :class:`LMTask`.
+
+        ``vocab_size=`` overrides the task's (e.g. with a model's embedding size when it is
+        larger than its tokenizer's).
+        """
+        return cls(
+            task,
+            task.reward,
+            num_envs=num_envs,
+            prompt_len=task.prompt_len,
+            max_new_tokens=task.answer_len if max_new_tokens is None else max_new_tokens,
+            vocab_size=task.vocab_size if vocab_size is None else vocab_size,
+            eos_id=task.eos_id,
+            pad_id=task.pad_id,
+            **kwargs,
+        )
+
+    @property
+    def seq_len(self) -> int:
+        """``S = P + M``, the token buffer length."""
+        return self.prompt_len + self.max_new_tokens
+
+    def _make_specs(self) -> None:
+        N, S, V, P = self.batch_size[0], self.seq_len, self.vocab_size, self.prompt_len
+        self.observation_spec = Composite(
+            tokens=Categorical(V, shape=(N, S), dtype=torch.long),
+            attention_mask=Categorical(2, shape=(N, S), dtype=torch.bool),
+            position=Bounded(low=P, high=S, shape=(N,), dtype=torch.long),
+            prompt_id=Unbounded(shape=(N,), dtype=torch.long),
+            group=Unbounded(shape=(N,), dtype=torch.long),
+            shape=(N,),
+        )
+        self.action_spec = Categorical(V, shape=(N,), dtype=torch.long)
+        self.reward_spec = Unbounded(shape=(N, 1), dtype=torch.float32)
+        self.done_spec = Composite(
+            done=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            terminated=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            truncated=Categorical(2, shape=(N, 1), dtype=torch.bool),
+            shape=(N,),
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._generator.manual_seed(int(seed) if seed is not None else torch.seed())
+
+    def _reset(self, tensordict: TensorDictBase | None, **kwargs) -> TensorDictBase:
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        reset = tensordict.get("_reset", None) if tensordict is not None else None
+        tokens = torch.full((N, S), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(N, S, dtype=torch.bool, device=self.device)
+        prompt_id = torch.full((N,), -1, dtype=torch.long, device=self.device)
+        group = torch.full((N,), -1, dtype=torch.long, device=self.device)
+        if reset is None:
+            rows = torch.arange(N, device=self.device)
+        else:
+            rows = reset.reshape(N).nonzero().squeeze(-1)
+        G = self.group_size if rows.numel() == N else 1  # a full reset: G rows per prompt; else one each
+        ids, pmask, ids_of_prompts = self._prompts.take(rows.numel() // G, self._generator, P)
+        if G > 1:
+            ids, pmask, ids_of_prompts = (x.repeat_interleave(G, 0) for x in (ids, pmask, ids_of_prompts))
+        n_groups = rows.numel() // G
+        group[rows] = (torch.arange(self._groups, self._groups + n_groups).repeat_interleave(G)).to(self.device)
+        self._groups += n_groups
+        bad = pmask & ((ids < 0) | (ids >= self.vocab_size))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"prompt {i} holds token id {int(ids[i, j])}, outside the vocabulary [0, {self.vocab_size}): the "
+                f"policy's embedding cannot look it up; fix the prompt source or raise vocab_size"
+            )
+        tokens[rows, :P] = ids.to(self.device)
+        mask[rows, :P] = pmask.to(self.device)
+        prompt_id[rows] = ids_of_prompts.to(self.device)
+        false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
+        return TensorDict(
+            tokens=tokens,
+            attention_mask=mask,
+            position=torch.full((N,), P, dtype=torch.long, device=self.device),
+            prompt_id=prompt_id,
+            group=group,
+            done=false,
+            terminated=false.clone(),
+            truncated=false.clone(),
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        action = tensordict.get("action")
+        if action.is_floating_point() or action.is_complex() or action.dtype == torch.bool:
+            raise TypeError(
+                f"TokenLMEnv.step: action has dtype {action.dtype}, but an action is the next token id; pass an "
+                f"integer tensor (e.g. Categorical(logits=logits).sample() or logits.argmax(-1)); a float action "
+                f"is never rounded or truncated (3.7 is not token 3)"
+            )
+        action = action.reshape(N).long()
+        position = tensordict.get("position").reshape(N)
+        col = position.clamp(max=S - 1)[:, None]  # a done row stepped again stays in bounds
+        tokens = tensordict.get("tokens").scatter(1, col, action[:, None])
+        mask = tensordict.get("attention_mask").scatter(1, col, True)
+        new_position = position + 1
+        terminated = action == self.eos_id
+        truncated = (new_position - P >= self.max_new_tokens) & ~terminated
+        done = terminated | truncated
+        reward = torch.zeros(N, dtype=torch.float32, device=self.device)
+        out_of_vocab = (action < 0) | (action >= self.vocab_size)
+        bad, any_done = torch.stack([out_of_vocab.any(), done.any()]).tolist()  # one host sync per step
+        if bad:
+            i = int(out_of_vocab.nonzero()[0, 0])
+            raise ValueError(
+                f"action {int(action[i])} of row {i} is outside the vocabulary [0, {self.vocab_size}): an action "
+                f"is the next token id; check the policy's output size (V = {self.vocab_size})"
+            )
+        prompt_id = tensordict.get("prompt_id").reshape(N)
+        if any_done:  # score finished responses only
+            rows = done.nonzero().squeeze(-1)
+            extra = {"prompt_id": prompt_id[rows]} if self._reward_takes_prompt_id else {}
+            score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:], **extra)
+            score = torch.as_tensor(score, dtype=torch.float32, device=self.device)
+            if score.shape != rows.shape:
+                k = rows.numel()
+                raise ValueError(
+                    f"TokenLMEnv reward_fn returned shape {tuple(score.shape)} for k={k} finished responses; "
+                    f"expected [k] = ({k},), one score per response (the env places it on the response's last "
+                    f"token as ('next', 'reward') [N, 1]); return e.g. score.reshape({k}) or score.squeeze(-1)"
+                )
+            reward[rows] = score
+        if self.token_reward_fn is not None:
+            reward = reward + self.token_reward_fn(tokens[:, P:], mask[:, P:], position - P).reshape(N).float()
+        return TensorDict(
+            tokens=tokens,
+            attention_mask=mask,
+            position=new_position,
+            prompt_id=prompt_id,
+            group=tensordict.get("group").reshape(N),
+            reward=reward[:, None],
+            done=done[:, None],
+            terminated=terminated[:, None],
+            truncated=truncated[:, None],
+            batch_size=self.batch_size,
+            device=self.device,
+        )

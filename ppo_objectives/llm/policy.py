@@ -1,0 +1,368 @@
+"""The env policy: next-token logits of a causal LM with a per-row KV cache, as a TorchRL actor.
+
+:func:`make_actor` is the **policy that drives the environment**
+(:class:`~ppo_objectives.llm.env.TokenLMEnv`, one step = one token): a
+``ProbabilisticTensorDictSequential`` that reads the token buffer, draws the
+next token from ``Categorical(logits)`` (:class:`NextTokenLogits`) and writes
+``action`` and ``sample_log_prob``. :func:`sample_with_kv_cache` is the plain
+batched sampling loop the env + collector path is timed against. The models
+are in :mod:`ppo_objectives.llm.models`; the training-time read-outs in
+:mod:`ppo_objectives.llm.readouts`.
+
+Shape letters: ``N``: env rows; ``S``: the env's token-buffer length (prompt
+width ``P`` + ``max_new_tokens``), the KV-cache length; ``B``: rows of a
+sampled batch; ``R``: response length; ``V``: vocabulary size.
+
+**KV-cache design.** The cache lives *in the module* (:class:`NextTokenLogits`),
+never in the TensorDict, so collector batches stay small. Cache slot ``c``
+holds the keys/values of buffer column ``c``. On every call the module checks,
+per row, that its cached prefix is the current one: same batch shape, same
+parameter versions (an optimizer step or ``load_state_dict`` bumps them),
+same tokens in the cached columns, and the cache ends right before the newest
+token. Rows that fail (a fresh episode after a reset, new weights) are
+re-filled with one prefill forward; then every row advances by one token:
+O(S) work per token instead of O(S^2). Finding the stale rows is one host
+sync per step (``.any()``); it is on the env path only, never in the loss.
+The cache is used only under ``torch.no_grad()`` (rollouts); with gradients
+enabled the module runs a plain full forward, so it stays differentiable.
+The same code drives :class:`~ppo_objectives.llm.models.TinyCausalLM` and
+:class:`~ppo_objectives.llm.hf.HFCausalLMAdapter` (whose ``new_cache`` /
+``cache_slots`` interface is the tiny model's); a model whose
+``supports_kv_cache`` is False gets the full forward per token. Under a model's
+``autocast_dtype`` the cache is kept in that dtype and rebuilt when it changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict.nn import (
+    InteractionType,
+    ProbabilisticTensorDictModule,
+    ProbabilisticTensorDictSequential,
+    TensorDictModule,
+)
+from torch import Tensor, nn
+
+from ppo_objectives import _validate
+from ppo_objectives.functional import value_checks
+from ppo_objectives.llm.models import KVCache, position_ids_from_mask
+
+__all__ = ["NextTokenLogits", "make_actor", "sample_with_kv_cache"]
+
+
+# --------------------------------------------------------------------------- #
+# A plain batched sampling loop (the reference the env + collector is timed against)
+# --------------------------------------------------------------------------- #
+
+
+@torch.no_grad()
+def sample_with_kv_cache(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    *,
+    eos_id: int,
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample ``max_new_tokens`` tokens per row with the model's own KV cache.
+
+    The loop MiniMind-style trainers run: one prefill over the left-padded
+    prompts, then one cached step per token; rows that emitted EOS keep
+    stepping but their later tokens are padding (mask False). Only the last
+    position's logits are computed at each step (the LM head is applied to one
+    hidden state per row), so a large vocabulary costs ``[B, V]`` per step.
+
+    Args:
+        model: a :class:`~ppo_objectives.llm.models.TinyCausalLM` (or anything with its cache interface).
+        prompt_ids / prompt_mask: ``[B, P]`` left-padded prompts and their mask.
+        max_new_tokens: ``R``.
+        greedy: take the most likely token instead of sampling (greedy decoding).
+
+    Returns:
+        ``(response_ids [B, R], log_probs [B, R] float32, mask [B, R] bool)``;
+        response tokens after EOS are ``pad_id`` with log-prob 0 and mask False.
+    """
+    B, P = prompt_ids.shape
+    device = prompt_ids.device
+    cache = model.new_cache(B, P + max_new_tokens, device=device)
+    pos = position_ids_from_mask(prompt_mask)
+    out = model(prompt_ids, prompt_mask, position_ids=pos, cache=cache, cache_slots=0, compute_logits=False)
+    logits = _head_logits(model, out.hidden[:, -1])  # [B, V]
+    next_pos = pos[:, -1] + 1  # [B]
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    tokens, logps, masks = [], [], []
+    for j in range(max_new_tokens):
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if greedy:
+            tok = logp_all.argmax(-1)
+        else:
+            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
+        tokens.append(torch.where(alive, tok, pad_id))
+        logps.append(torch.where(alive, logp_all.gather(-1, tok[:, None]).squeeze(-1), 0.0))
+        masks.append(alive)
+        alive = alive & (tok != eos_id)
+        if j + 1 < max_new_tokens:
+            out = model(tok[:, None], None, position_ids=next_pos[:, None], cache=cache, cache_slots=P + j,
+                        compute_logits=False)
+            logits = _head_logits(model, out.hidden[:, -1])
+            next_pos = next_pos + 1
+    return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
+
+
+# --------------------------------------------------------------------------- #
+# The env-facing policy: next-token logits with a per-row KV cache
+# --------------------------------------------------------------------------- #
+
+
+def _param_version(params: list[Tensor]) -> int:
+    return sum(p._version for p in params)
+
+
+def _head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """``model.lm_head(hidden)`` in float32, under the model's ``autocast_dtype`` when it has one set
+    (hidden states made under autocast need not match the head's parameter dtype)."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return model.lm_head(hidden).float()
+    with torch.autocast(device_type=hidden.device.type, dtype=dtype):
+        return model.lm_head(hidden).float()
+
+
+class NextTokenLogits(nn.Module):
+    """Logits of the next token for each env row, from the token buffer.
+
+    Reads the observation of ``TokenLMEnv``: the buffer ``tokens [N, S]``, its
+    ``attention_mask [N, S]`` and ``position [N]`` (the column the next token
+    goes to), and returns ``logits [N, V]`` (float32) predicted at column
+    ``position - 1``. Under ``torch.no_grad()`` it keeps a per-row KV cache
+    (module docstring); otherwise, or with extra leading dims, or for a model
+    without ``supports_kv_cache``, it runs a full forward. The positions and the
+    token ids (against the model's ``vocab_size``) are checked in one host read,
+    skipped under :func:`~ppo_objectives.functional.value_checks` ``(False)``.
+
+    Example:
+        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=6)).eval()
+        >>> head = NextTokenLogits(lm)
+        >>> tokens = torch.tensor([[0, 4, 5, 0, 0, 0]])          # prompt [_, 4, 5], width P = 3
+        >>> mask = torch.tensor([[False, True, True, False, False, False]])
+        >>> with torch.no_grad():
+        ...     cached = head(tokens, mask, torch.tensor([3]))
+        >>> full = lm(tokens[:, :3], mask[:, :3]).logits[:, -1]
+        >>> torch.allclose(cached, full, atol=1e-5)
+        True
+    """
+
+    #: Take the one-window path when its token count is at most this factor times the
+    #: prefill + step path's (two forwards cost more per token on small batches).
+    window_factor: float = 2.0
+
+    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True, value_head: nn.Module | None = None):
+        super().__init__()
+        self.model = model
+        self.value_head = value_head
+        self.use_kv_cache = bool(use_kv_cache) and getattr(model, "supports_kv_cache", False)
+        self.reset_cache()
+
+    def _outputs(self, hidden: Tensor):
+        """``logits [N, V]`` of the newest tokens' hidden states ``[N, C]``; with a value head also their
+        values ``[N]`` (float32): the value of the state each next token is sampled in."""
+        logits = _head_logits(self.model, hidden)
+        if self.value_head is None:
+            return logits
+        return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def reset_cache(self) -> None:
+        """Forget the cache (it is rebuilt on the next call)."""
+        self._cache: KVCache | None = None
+        self._cache_len: Tensor | None = None
+        self._cache_tokens: Tensor | None = None
+        self._cache_version = -1
+        self._cache_autocast: torch.dtype | None = None
+        self._params: list[Tensor] | None = None
+
+    def __getstate__(self):  # never pickle the cache into collector workers
+        state = self.__dict__.copy()
+        state.update(
+            _cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _cache_autocast=None, _params=None
+        )
+        return state
+
+    def forward(self, tokens: Tensor, attention_mask: Tensor, position: Tensor) -> Tensor:
+        attention_mask = attention_mask.bool()
+        position = position.reshape(tokens.shape[:-1])
+        S = tokens.shape[-1]
+        if _validate.checking_values() and position.numel():  # one host read for positions and token ids
+            lo, hi, t_lo, t_hi = torch.stack([position.min(), position.max(), tokens.min(), tokens.max()]).tolist()
+            if lo < 1 or hi > S:
+                raise ValueError(
+                    f"position holds {lo if lo < 1 else hi}, outside [1, {S}] for a token buffer of S={S} columns: "
+                    f"position is the column the next token goes to, after at least one prompt token"
+                )
+            V = getattr(self.model, "vocab_size", None)
+            if t_lo < 0 or (V is not None and t_hi >= V):
+                raise ValueError(
+                    f"NextTokenLogits: tokens holds token id {t_lo if t_lo < 0 else t_hi}, outside the model's "
+                    f"vocabulary [0, vocab_size={V}): the env's vocabulary (TokenLMEnv vocab_size) must fit in the "
+                    f"model's; build the model with vocab_size >= env.vocab_size "
+                    f"(e.g. TinyLMConfig.preset(..., vocab_size=env.vocab_size))"
+                )
+        with value_checks(False):  # the env validated its tokens; no per-step host syncs for them
+            if tokens.dim() != 2 or not self.use_kv_cache or torch.is_grad_enabled():
+                return self._full(tokens, attention_mask, position)
+            return self._cached(tokens, attention_mask, position)
+
+    def _full(self, tokens, attention_mask, position):
+        lead = tokens.shape[:-1]
+        S = tokens.shape[-1]
+        tokens, attention_mask, last = tokens.reshape(-1, S), attention_mask.reshape(-1, S), position.reshape(-1) - 1
+        hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
+        h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+        if self.value_head is None:
+            return _head_logits(self.model, h).reshape(*lead, -1)
+        logits, value = self._outputs(h)
+        return logits.reshape(*lead, -1), value.reshape(lead)
+
+    def _current_cache(self, tokens: Tensor) -> KVCache:
+        """The module's cache for this buffer, rebuilt empty when the batch shape, the buffer length,
+        the device or the parameter versions changed."""
+        N, S = tokens.shape
+        if self._params is None:
+            self._params = list(self.model.parameters())
+        version = _param_version(self._params)
+        cache = self._cache
+        if (
+            cache is None
+            or cache.batch_size != N
+            or cache.max_len != S
+            or cache.k.device != tokens.device
+            or version != self._cache_version
+            or self._cache_autocast != getattr(self.model, "autocast_dtype", None)
+        ):
+            cache = self._cache = self.model.new_cache(N, S, device=tokens.device)
+            self._cache_len = torch.full((N,), -1, dtype=torch.long, device=tokens.device)
+            self._cache_tokens = None
+            self._params = list(self.model.parameters())  # re-read on every rebuild
+            self._cache_version = _param_version(self._params)
+            self._cache_autocast = getattr(self.model, "autocast_dtype", None)
+        return cache
+
+    def _prefill(self, cache: KVCache, tokens, attention_mask, pos_ids, stale: Tensor, last: Tensor) -> None:
+        """Re-fill the cache rows ``stale`` with their prefix up to (not including) the newest token."""
+        S = tokens.shape[1]
+        cols = torch.arange(S, device=tokens.device)
+        rows = stale.nonzero().squeeze(-1)
+        width = max(1, int(last[rows].max()))  # columns [0, width) hold every stale row's prefix
+        sub = self.model.new_cache(rows.numel(), S, device=tokens.device)
+        prefix = attention_mask[rows, :width] & (cols[:width] < last[rows, None])
+        self.model(
+            tokens[rows, :width], prefix, position_ids=pos_ids[rows, :width], cache=sub, cache_slots=0,
+            compute_logits=False,
+        )
+        cache.k[:, rows] = sub.k
+        cache.v[:, rows] = sub.v
+        cache.valid[rows] = sub.valid
+
+    def _cached(self, tokens, attention_mask, position):
+        N, S = tokens.shape
+        cache = self._current_cache(tokens)
+        last = position - 1  # [N] column of the newest token
+        cols = torch.arange(S, device=tokens.device)
+        stale = self._cache_len != last
+        if self._cache_tokens is not None:
+            stale |= ((tokens != self._cache_tokens) & (cols < self._cache_len[:, None])).any(-1)
+        pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
+        # One host sync per step: are there stale rows, and can one windowed forward serve all rows?
+        # The common case (rows just reset, all at the same prompt end L0, every other row at or
+        # beyond it): feed every row its last L0 + 1 columns; fresh rows fill their cache from
+        # column 0, the others rewrite L0 cached columns with identical values. One forward, no prefill.
+        l0 = torch.where(stale, last, -1).max()
+        one_window = (torch.where(stale, last, l0) == l0).all() & (last >= l0).all()
+        n_stale, l0, one_window = torch.stack([stale.sum(), l0, one_window.long()]).tolist()
+        # window: N (L0 + 1) tokens in one forward; prefill + step: n_stale L0 + N tokens in two
+        if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (n_stale * l0 + N):
+            slots = last[:, None] - l0 + torch.arange(l0 + 1, device=tokens.device)  # [N, L0 + 1]
+            out = self.model(
+                tokens.gather(1, slots),
+                attention_mask.gather(1, slots),
+                position_ids=pos_ids.gather(1, slots),
+                cache=cache,
+                cache_slots=slots,
+                compute_logits=False,
+            )
+            self._cache_len = position.clone()
+            self._cache_tokens = tokens.clone()
+            return self._outputs(out.hidden[:, -1])  # the head on the newest token only
+        if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
+            self._prefill(cache, tokens, attention_mask, pos_ids, stale, last)
+        x = tokens.gather(1, last[:, None])  # [N, 1]
+        out = self.model(
+            x,
+            attention_mask.gather(1, last[:, None]),
+            position_ids=pos_ids.gather(1, last[:, None]),
+            cache=cache,
+            cache_slots=last[:, None],
+            compute_logits=False,
+        )
+        self._cache_len = position.clone()
+        self._cache_tokens = tokens.clone()
+        return self._outputs(out.hidden[:, 0])
+
+
+def make_actor(
+    model: nn.Module,
+    *,
+    use_kv_cache: bool = True,
+    tokens_key: str = "tokens",
+    attention_mask_key: str = "attention_mask",
+    position_key: str = "position",
+    action_key: str = "action",
+    log_prob_key: str = "sample_log_prob",
+    value_head: nn.Module | None = None,
+    value_key: str = "state_value",
+) -> ProbabilisticTensorDictSequential:
+    """The env policy: ``Categorical(logits=NextTokenLogits(model)(obs))``.
+
+    Writes ``logits`` ``[N, V]``, ``action`` ``[N]`` (a token id) and
+    ``sample_log_prob`` ``[N]`` (float32); with a ``value_head`` (a critic on the same
+    trunk) also ``value_key`` ``[N]``, the value of the state the token was sampled in,
+    from the same forward. Under
+    ``set_exploration_type(ExplorationType.DETERMINISTIC)`` it picks the
+    argmax token (greedy decoding); the default (collectors) samples.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=6))
+        >>> actor = make_actor(lm)
+        >>> td = TensorDict(tokens=torch.tensor([[1, 2, 0]]), attention_mask=torch.tensor([[True, True, False]]),
+        ...                 position=torch.tensor([2]), batch_size=[1])
+        >>> with torch.no_grad():
+        ...     td = actor(td)
+        >>> sorted(k for k in td.keys() if k not in ("tokens", "attention_mask", "position"))
+        ['action', 'logits', 'sample_log_prob']
+        >>> td["sample_log_prob"].shape
+        torch.Size([1])
+    """
+    logits = TensorDictModule(
+        NextTokenLogits(model, use_kv_cache=use_kv_cache, value_head=value_head),
+        in_keys=[tokens_key, attention_mask_key, position_key],
+        out_keys=["logits"] if value_head is None else ["logits", value_key],
+    )
+    dist = ProbabilisticTensorDictModule(
+        in_keys=["logits"],
+        out_keys=[action_key],
+        distribution_class=torch.distributions.Categorical,
+        distribution_kwargs={"validate_args": False},  # logits come from the model: skip per-step checks
+        return_log_prob=True,
+        log_prob_key=log_prob_key,
+        default_interaction_type=InteractionType.RANDOM,
+    )
+    return ProbabilisticTensorDictSequential(logits, dist)

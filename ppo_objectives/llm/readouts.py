@@ -1,0 +1,832 @@
+"""PPO read-outs on a causal LM: per-token log-probs (actor) and per-token values (critic).
+
+One read-out family for both batch layouts of :mod:`ppo_objectives.llm.layouts`:
+
+- **log-probs**: :func:`read_log_probs` turns logits into the log-probs (and
+  entropies) of the tokens at given positions, always through
+  :func:`ppo_objectives.functional.response_log_probs` (float32, chunked, no
+  ``[B, T, V]`` float32 log-softmax). When the model exposes its LM head
+  (:func:`lm_head_parameters`) and the vocabulary is large, the actor read-outs
+  skip the logits altogether: they run the trunk only and score the hidden
+  states with :func:`ppo_objectives.functional.response_log_probs_from_hidden`,
+  which never forms the ``[B, T, V]`` logits (``from_hidden=``, see
+  :data:`FROM_HIDDEN_MIN_VOCAB`).
+- **values**: :func:`read_values` turns hidden states into values with a
+  scalar head built by :func:`value_head`, the one value-head construction.
+
+The modules differ only in which positions they read and how they reach the
+model:
+
+==================================== ================================= =========================================
+module                               positions                         model
+==================================== ================================= =========================================
+:class:`ResponseLogProbs`            response slice ``[P - 1, T - 1)`` our LM interface (``TinyCausalLM``,
+:class:`ResponseValues`              -> ``[B, R]``                     ``HFCausalLMAdapter``): ``LMOutput``
+:class:`CausalLMTokenLogProbs`       the full sequence, 0 where        a Hugging Face module, through
+:class:`CausalLMCritic`              ``mask`` is False -> ``[B, T]``   :func:`ppo_objectives.llm.hf.hf_forward`
+==================================== ================================= =========================================
+
+:func:`make_actor_critic` wraps the first pair (plus the env policy of
+:func:`ppo_objectives.llm.policy.make_actor`) for the response layout; it is what
+``ppo_objectives/train/`` runs. The second pair reads the full-sequence
+layout of TorchRL's LLM stack (also importable from
+:mod:`ppo_objectives.llm`). :func:`frozen_reference` is the job's
+reference policy: a frozen copy of the actor's LM read out like the actor.
+
+Shape letters: ``B`` rows; ``P`` prompt width (left-padded prompts); ``R``
+response length; ``T`` tokens per row; ``H`` hidden size; ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModule, TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import Tensor, nn
+
+from ppo_objectives import _validate
+from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden, value_checks
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.hf import hf_decoder, hf_forward
+from ppo_objectives.llm.policy import make_actor
+
+__all__ = [
+    "FROM_HIDDEN_MIN_VOCAB",
+    "VALUE_HEAD_INITS",
+    "ActorCritic",
+    "CausalLMCritic",
+    "CausalLMTokenLogProbs",
+    "ResponseLogProbs",
+    "ResponseValues",
+    "SharedForward",
+    "frozen_reference",
+    "lm_head_parameters",
+    "make_actor_critic",
+    "read_log_probs",
+    "read_values",
+    "value_head",
+]
+
+# --------------------------------------------------------------------------- #
+# The shared read-outs
+# --------------------------------------------------------------------------- #
+
+#: The value-head initialisations :func:`value_head` knows.
+VALUE_HEAD_INITS = ("zeros", "normal")
+
+
+def value_head(hidden_size: int, *, init: str = "zeros") -> nn.Linear:
+    """The critic's scalar head ``nn.Linear(hidden_size, 1)``: ``value = w . h + c``.
+
+    Two initialisations, each kept because the results built on it depend on it:
+
+    - ``init="zeros"`` (``w = 0``, ``c = 0``; :func:`make_actor_critic` and
+      :class:`ResponseValues`, hence the training job): every value starts at
+      exactly 0, so the first advantages are the returns themselves and no
+      random value noise enters the first policy update. The trunk gets no value
+      gradient until the head has moved away from 0 (one optimizer step).
+    - ``init="normal"`` (``w ~ Normal(0, std = 1 / sqrt(H + 1))``, ``c = 0``;
+      :class:`CausalLMCritic`): a fan-in scaled head (``H`` inputs plus the
+      bias), so values start at the scale of the hidden states (order one after
+      the LM's final norm) and the trunk gets a value gradient from the first step.
+
+    The head is built as an ``nn.Linear`` (whose default initialisation draws
+    from the global RNG) and then overwritten; ``"normal"`` draws once more.
+
+    Example:
+        >>> head = value_head(4)
+        >>> head.weight.abs().sum().item(), head.bias.item()
+        (0.0, 0.0)
+        >>> value_head(4, init="normal").weight.shape
+        torch.Size([1, 4])
+    """
+    _validate.check_int("hidden_size", hidden_size, low=1, where="value_head ")
+    if init not in VALUE_HEAD_INITS:
+        raise ValueError(f"value_head init={init!r} is unknown; choose one of {VALUE_HEAD_INITS}")
+    head = nn.Linear(hidden_size, 1)
+    if init == "zeros":
+        nn.init.zeros_(head.weight)
+    else:
+        nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def read_values(head: nn.Module, hidden: Tensor) -> Tensor:
+    """Values ``[B, n]`` float32 of hidden states ``[B, n, H]``: ``head(hidden)`` without its feature dim
+    (hidden states made under autocast are cast to the head's dtype first)."""
+    return head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+
+
+class SharedForward:
+    """One trunk forward per batch for an actor and a critic that share the trunk.
+
+    :func:`make_actor_critic` with ``shared_trunk=True`` gives the actor's and the critic's
+    read-outs one ``SharedForward``. The first read-out of a batch runs the model and keeps its
+    output; the next call with the **same** ``input_ids`` and ``attention_mask`` tensors (the
+    same objects, unmodified), the same parameter versions and the same grad mode takes that
+    output instead of running the trunk again, and releases it. So
+    :class:`~ppo_objectives.loss.TokenPPOLoss` (actor, then critic, on one minibatch) runs the
+    trunk once, and its summed loss backpropagates through it once, with the gradients of two
+    forwards. A backward pass through the kept output releases it too (its graph is gone), and
+    any other call runs the model (and replaces what was kept).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._kept: tuple | None = None
+
+    def _key(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple:
+        versions = sum(p._version for p in self.model.parameters())
+        mask_version = None if attention_mask is None else attention_mask._version
+        return (input_ids._version, mask_version, versions, torch.is_grad_enabled(),
+                getattr(self.model, "autocast_dtype", None))
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            ids, mask, key, out = kept
+            if (ids is input_ids and mask is attention_mask and key == self._key(input_ids, attention_mask)
+                    and (out.logits is not None or not compute_logits)):
+                return out
+        out = self.model(input_ids, attention_mask, compute_logits=compute_logits)
+        kept = (input_ids, attention_mask, self._key(input_ids, attention_mask), out)
+        if out.hidden.requires_grad:  # a backward through it frees its graph: it can no longer be shared
+            out.hidden.register_hook(lambda grad, kept=kept: self._release(kept))
+        self._kept = kept
+        return out
+
+    def _release(self, kept: tuple) -> None:
+        if self._kept is kept:
+            self._kept = None
+
+
+def _trunk(readout: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
+    """The read-out's model output: through its :class:`SharedForward` when it has one."""
+    shared = getattr(readout, "shared_forward", None)
+    if shared is not None and shared.model is readout.model:
+        return shared(input_ids, attention_mask, compute_logits=compute_logits)
+    if compute_logits:  # the plain call: any model with the LM interface
+        return readout.model(input_ids, attention_mask)
+    return readout.model(input_ids, attention_mask, compute_logits=False)
+
+
+def read_log_probs(
+    logits: Tensor,
+    input_ids: Tensor,
+    starts: Tensor,
+    length: int,
+    *,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs ``[B, length]`` (and entropies) of the tokens ``input_ids[b, starts[b] + j]``.
+
+    ``logp[b, j] = log_softmax(logits[b, starts[b] - 1 + j])[input_ids[b, starts[b] + j]]``, by
+    :func:`ppo_objectives.functional.response_log_probs`. With ``entropy_grad=False`` (and
+    gradients enabled) the entropy is computed without gradient: a logged diagnostic with a
+    cheaper backward pass.
+
+    Example:
+        >>> logits = torch.zeros(1, 3, 4)                       # uniform over 4 tokens
+        >>> read_log_probs(logits, torch.tensor([[1, 2, 3]]), torch.tensor([1]), 2)
+        tensor([[-1.3863, -1.3863]])
+    """
+    if not return_entropy or entropy_grad or not torch.is_grad_enabled():
+        return response_log_probs(logits, input_ids, starts, length, return_entropy=return_entropy)
+    logp = response_log_probs(logits, input_ids, starts, length)
+    with torch.no_grad():  # entropy for logging only: keep it out of the backward pass
+        _, entropy = response_log_probs(logits.detach(), input_ids, starts, length, return_entropy=True)
+    return logp, entropy
+
+
+#: Smallest vocabulary for which ``from_hidden="auto"`` scores hidden states instead of logits.
+#: Below it the ``[B, T, V]`` logits are small, and one full-size head matmul followed by the
+#: chunked log-softmax is faster than a projection per chunk; it also keeps the tiny-vocabulary
+#: models (the training job's ``TinyCausalLM``, ``V`` of a few dozen) on the logits path, number
+#: for number.
+FROM_HIDDEN_MIN_VOCAB = 4096
+
+#: The values ``from_hidden=`` accepts.
+_FROM_HIDDEN_CHOICES = (True, False, "auto")
+
+
+def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight [V, C], bias [V] | None)`` of the LM head a model applies to its hidden states, or ``None``.
+
+    The protocol the hidden-state read-outs rely on (``logits = hidden @ weight^T + bias``):
+
+    - ``model.lm_head_parameters()`` when the model defines that method (a wrapper that
+      restricts or transforms its head says so this way; it may return ``None``);
+    - else ``(model.lm_head.weight, model.lm_head.bias)`` when ``model.lm_head`` is exactly an
+      ``nn.Linear`` (not a subclass, whose forward may differ) without forward hooks;
+    - else ``None``: the head is unknown and only the model's own logits can be used. Also
+      ``None`` for a head whose weight is a sharded ``DTensor`` (FSDP): it is whole only
+      inside the model's forward.
+
+    Example:
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> weight, bias = lm_head_parameters(lm)
+        >>> weight.shape, bias, weight is lm.wte.weight          # tied to the embedding
+        (torch.Size([10, 16]), None, True)
+        >>> handle = lm.lm_head.register_forward_hook(lambda m, i, o: o * 2)
+        >>> lm_head_parameters(lm) is None                       # a hook changes what the head computes
+        True
+    """
+    method = getattr(model, "lm_head_parameters", None)
+    if callable(method):
+        params = method()
+    else:
+        head = getattr(model, "lm_head", None)
+        plain = type(head) is nn.Linear and not _has_forward_hooks(head)
+        params = (head.weight, head.bias) if plain else None
+    return None if params is None or _is_sharded(params[0]) else params
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _is_sharded(weight: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
+
+
+def _check_from_hidden(from_hidden: object, who: str) -> None:
+    if not any(from_hidden is c or (isinstance(from_hidden, str) and from_hidden == c) for c in _FROM_HIDDEN_CHOICES):
+        raise ValueError(
+            f"{who}: from_hidden={from_hidden!r} must be True (score hidden states through the exposed LM head), "
+            f"False (score the model's logits) or 'auto' (hidden states when V >= {FROM_HIDDEN_MIN_VOCAB})"
+        )
+
+
+def _use_hidden(from_hidden: bool | str, head: tuple | None, who: str, fix: str) -> bool:
+    """Whether the read-out scores hidden states: ``from_hidden`` against the head found (or not)."""
+    if from_hidden is True and head is None:
+        raise ValueError(
+            f"{who}: from_hidden=True but the model exposes no LM head to project hidden states with; {fix}"
+        )
+    if from_hidden == "auto":
+        return head is not None and head[0].shape[0] >= FROM_HIDDEN_MIN_VOCAB
+    return from_hidden is True
+
+
+# --------------------------------------------------------------------------- #
+# Response layout [B, R]: the response slice of a [B, P + R] forward
+# --------------------------------------------------------------------------- #
+
+
+def _response_len(input_ids: Tensor, prompt_len: int, what: str, who: str) -> int:
+    """``R = T - P`` of ``[B, T]`` token ids, or an error naming the expected shape."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"{who}: input_ids has shape {shape} but [B, P + R] is expected (one row per response): run it on a "
+            f"TensorDict with batch_size=[B], the response layout of trajectories_to_llm_batch; for one "
+            f"response add the batch dim with td.unsqueeze(0)"
+        )
+    T = input_ids.shape[1]
+    if T - prompt_len < 1:
+        raise ValueError(
+            f"input_ids has T={T} columns but prompt_len={prompt_len}: there is no response to {what}; "
+            f"pass prompt + response ([B, P + R])"
+        )
+    return T - prompt_len
+
+
+class ResponseLogProbs(nn.Module):
+    """Per-token log-probs (and entropies) of the response tokens, one full forward.
+
+    ``input_ids [B, P + R]`` holds a left-padded prompt of width ``P`` and the
+    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``.
+    Outputs ``[B, R]`` float32. With ``entropy_grad=False`` the entropy is computed
+    without gradient (a logged diagnostic, no entropy bonus): cheaper backward.
+
+    Two paths, the same numbers (up to float rounding):
+
+    - **logits** (``from_hidden=False``): the model's ``logits`` through
+      :func:`read_log_probs`; positions after a response's end are garbage to be
+      masked by the caller.
+    - **hidden states** (``from_hidden=True``): the model runs with
+      ``compute_logits=False`` and its ``hidden`` ``[B, P + R, C]`` are scored through
+      the head of :func:`lm_head_parameters` by
+      :func:`~ppo_objectives.functional.response_log_probs_from_hidden`, so the
+      ``[B, P + R, V]`` logits are never formed. Positions after a response's end
+      (``attention_mask[:, P:]`` False) are not projected and are exactly 0. When the
+      model has an ``autocast_dtype``, the hidden states are cast to it first, so the
+      projection runs in the precision the model's own head runs in under autocast.
+    - ``from_hidden="auto"`` (the default): hidden states when the model exposes its
+      head and ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits
+      (decided at construction; a call that finds the head no longer exposed, e.g.
+      sharded, reads the logits).
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> ids, am = torch.randint(10, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+        >>> am[1, 5] = False                                  # row 1's response ends one token early
+        >>> auto, hid = ResponseLogProbs(lm, 3), ResponseLogProbs(lm, 3, from_hidden=True)
+        >>> auto.from_hidden, hid.from_hidden                 # V = 10: "auto" keeps the logits path
+        (False, True)
+        >>> (lp, _), (lp_h, _) = auto(ids, am), hid(ids, am)
+        >>> torch.allclose(lp[am[:, 3:]], lp_h[am[:, 3:]], atol=1e-6), lp_h[1, 2].item()
+        (True, 0.0)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        prompt_len: int,
+        *,
+        return_entropy: bool = True,
+        entropy_grad: bool = True,
+        from_hidden: bool | str = "auto",
+    ):
+        super().__init__()
+        _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
+        _check_from_hidden(from_hidden, "ResponseLogProbs")
+        self.model = model
+        self.prompt_len = prompt_len
+        self.return_entropy = return_entropy
+        self.entropy_grad = entropy_grad
+        fix = "define model.lm_head_parameters() -> (weight, bias), or use from_hidden=False (the logits path)"
+        #: Whether this read-out scores hidden states (True) or the model's logits (False).
+        self.from_hidden = _use_hidden(from_hidden, lm_head_parameters(model), "ResponseLogProbs", fix)
+        self._required = from_hidden is True
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor):
+        R = _response_len(input_ids, self.prompt_len, "score", "ResponseLogProbs")
+        B = input_ids.shape[0]
+        starts = torch.full((B,), self.prompt_len, dtype=torch.long, device=input_ids.device)
+        head = lm_head_parameters(self.model) if self.from_hidden else None
+        if head is None and self.from_hidden and self._required:
+            raise ValueError(
+                f"ResponseLogProbs: {type(self.model).__name__} no longer exposes its LM head (lm_head_parameters "
+                f"returned None, e.g. a hook was added or the head was sharded); rebuild the read-out with "
+                f"from_hidden=False"
+            )
+        if head is not None:
+            return self._from_hidden(head, input_ids, attention_mask, starts, R)
+        logits = _trunk(self, input_ids, attention_mask, compute_logits=True).logits
+        with value_checks(False):  # the positions are in range by construction
+            return read_log_probs(
+                logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
+            )
+
+    def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
+        autocast_dtype = getattr(self.model, "autocast_dtype", None)
+        if autocast_dtype is not None and hidden.dtype != autocast_dtype:
+            hidden = hidden.to(autocast_dtype)  # the head's precision under the model's autocast
+        mask = None
+        if attention_mask is not None:  # no projection after a response's end
+            mask = _validate.check_mask(attention_mask, input_ids.shape, "input_ids")[:, self.prompt_len :]
+        weight, bias = head
+        entropy = self.return_entropy
+        with value_checks(False):  # positions and token ids were checked by construction and by the model
+            out = response_log_probs_from_hidden(
+                hidden, weight, input_ids, starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy
+            )
+        if entropy and not self.entropy_grad:
+            return out[0], out[1].detach()  # for logging only: no gradient flows through it
+        return out
+
+
+class ResponseValues(nn.Module):
+    """Critic: ``values[b, j] = head(hidden[b, P - 1 + j])``, the value of the state
+    before response token ``j`` (MiniMind's critic convention), ``[B, R]`` float32.
+
+    The head is :func:`value_head` with ``init="zeros"``."""
+
+    def __init__(self, model: nn.Module, prompt_len: int):
+        super().__init__()
+        _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
+        self.model = model
+        self.prompt_len = prompt_len
+        self.value_head = value_head(model.hidden_size, init="zeros")
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        _response_len(input_ids, self.prompt_len, "value", "ResponseValues")
+        T = input_ids.shape[1]
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
+        return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
+
+
+@dataclass
+class ActorCritic:
+    """The networks of one PPO run (see :func:`make_actor_critic`).
+
+    Attributes:
+        policy: env policy (:func:`~ppo_objectives.llm.policy.make_actor`), writes ``action`` / ``sample_log_prob``.
+        actor: TensorDictModule ``(input_ids, attention_mask) -> (log_prob, entropy)`` ``[B, R]``.
+        critic: TensorDictModule ``(input_ids, attention_mask) -> state_value`` ``[B, R]``.
+        actor_model / critic_model: the underlying causal LMs (the same object when shared).
+        critic_head: the value head (an ``nn.Linear``, :func:`value_head`).
+    """
+
+    policy: ProbabilisticTensorDictSequential
+    actor: TensorDictModule
+    critic: TensorDictModule
+    actor_model: nn.Module
+    critic_model: nn.Module
+    critic_head: nn.Module
+
+    @property
+    def shared_trunk(self) -> bool:
+        return self.actor_model is self.critic_model
+
+    def actor_parameters(self):
+        return list(self.actor_model.parameters())
+
+    def critic_parameters(self):
+        """Critic-only parameters (just the head when the trunk is shared)."""
+        own = list(self.critic_head.parameters())
+        return own if self.shared_trunk else list(self.critic_model.parameters()) + own
+
+
+def make_actor_critic(
+    model: nn.Module | TinyLMConfig,
+    prompt_len: int,
+    *,
+    shared_trunk: bool = False,
+    critic_model: nn.Module | None = None,
+    use_kv_cache: bool = True,
+    entropy_grad: bool = True,
+    from_hidden: bool | str = "auto",
+    log_prob_key: str = "log_prob",
+    entropy_key: str = "entropy",
+    value_key: str = "state_value",
+) -> ActorCritic:
+    """Actor and critic built from one causal LM, for the response layout.
+
+    Batch shape: ``actor`` and ``critic`` read ``input_ids`` / ``attention_mask``
+    ``[B, P + R]`` and write ``[B, R]`` entries, so they run on a TensorDict with
+    ``batch_size=[B]``: the response layout as
+    :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch` returns it (a
+    ``[B, R]`` TensorDict cannot hold the ``[B, P + R]`` inputs).
+    :class:`~ppo_objectives.value.gae.MaskedGAE` reads that same ``[B]`` TensorDict
+    (its "``[B]`` TensorDict with ``[B, R]`` entries" form); its preferred
+    ``batch_size=[B, R]`` fits a TensorDict of the per-token entries only, and
+    is the one to use when ``R == 1`` (see :mod:`ppo_objectives.llm.layouts`).
+
+    Args:
+        model: a causal LM (:class:`~ppo_objectives.llm.models.TinyCausalLM`,
+            :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`) or a config.
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        shared_trunk: the critic's value head sits on the actor's trunk (one set of
+            weights) instead of on its own copy (MiniMind's separate critic, the default).
+            The read-outs then share one trunk forward per batch (:class:`SharedForward`),
+            and the env policy writes the value of each state it samples from
+            (``value_key``, per step), so the rollout's ``V_old`` needs no forward of its own.
+        critic_model: an explicit critic trunk (overrides ``shared_trunk``).
+        entropy_grad: let gradients flow through the actor's entropy (needed for an
+            entropy bonus; ``False`` makes it a cheaper logged diagnostic).
+        from_hidden: how the actor scores tokens: ``True`` from the hidden states
+            through the exposed LM head (no ``[B, T, V]`` logits), ``False`` from the
+            model's logits, ``"auto"`` hidden states when the head is exposed and
+            ``V >= FROM_HIDDEN_MIN_VOCAB`` (:class:`ResponseLogProbs`).
+
+    **The value head starts at zero.** It is :func:`value_head` with
+    ``init="zeros"`` (``w = 0``, ``c = 0``): every value is exactly 0 before the
+    first update, so the first advantages are the returns themselves; and since
+    the value gradient reaching the trunk is ``w`` times the error, the critic
+    trunk (its own copy, or the shared trunk) gets exactly zero value gradient on
+    the first update, and only the head moves. From the second update on the
+    trunk learns too. The training job (``ppo_objectives/train/``) is built
+    on this default. For a critic whose trunk learns from the first step, replace
+    the head before building the optimizer, e.g.
+    ``ac.critic_head.weight.data.copy_(value_head(H, init="normal").weight)``
+    (the head :class:`CausalLMCritic` uses).
+
+    Example:
+        >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
+        ...                 batch_size=[2])
+        >>> ac.actor(td)["log_prob"].shape, ac.critic(td)["state_value"].shape
+        (torch.Size([2, 4]), torch.Size([2, 4]))
+        >>> ac.shared_trunk
+        False
+    """
+    if isinstance(model, TinyLMConfig):
+        model = TinyCausalLM(model)
+    if critic_model is None:
+        critic_model = model if shared_trunk else copy.deepcopy(model)
+    log_probs = ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad,
+                                 from_hidden=from_hidden)
+    values = ResponseValues(critic_model, prompt_len)
+    shared = critic_model is model
+    if shared:  # one trunk forward serves both read-outs of a batch; the env policy writes V_old too
+        log_probs.shared_forward = values.shared_forward = SharedForward(model)
+    policy = make_actor(model, use_kv_cache=use_kv_cache, value_head=values.value_head if shared else None,
+                        value_key=value_key)
+    actor = TensorDictModule(log_probs, in_keys=["input_ids", "attention_mask"], out_keys=[log_prob_key, entropy_key])
+    critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
+    return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
+
+
+def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: torch.dtype | None = None,
+                     copy_model: bool = True) -> TensorDictModule:
+    """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
+    and without gradients, read out as per-token log-probabilities of the response.
+
+    Args:
+        actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
+            (after the warm start): later optimizer steps of the actor do not move the copy.
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        dtype: convert the reference's weights to it (``torch.bfloat16`` under ``--dtype bfloat16``)
+            and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
+        copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
+            checkpoint loaded again under ``--model``) instead of a ``copy.deepcopy``.
+
+    Returns:
+        A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
+        writing ``log_prob`` (``[B, R]``): the reference
+        :class:`~ppo_objectives.transforms.KLPenaltyTransform` takes. Its copy of the network is
+        ``ref.module.model``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> ref = frozen_reference(lm, prompt_len=3)
+        >>> td = TensorDict(input_ids=torch.randint(10, (2, 7)), attention_mask=torch.ones(2, 7, dtype=torch.bool),
+        ...                 batch_size=[2])
+        >>> ref(td)["log_prob"].shape
+        torch.Size([2, 4])
+        >>> ref.module.model is lm, any(p.requires_grad for p in ref.parameters())
+        (False, False)
+    """
+    if isinstance(actor_model, TensorDictModuleBase) or not isinstance(actor_model, torch.nn.Module):
+        raise TypeError(
+            f"frozen_reference: actor_model must be the causal LM (ActorCritic.actor_model, e.g. a TinyCausalLM or "
+            f"an HFCausalLMAdapter), got {type(actor_model).__name__}; pass ac.actor_model, not the TensorDict "
+            f"read-out ac.actor"
+        )
+    ref = (copy.deepcopy(actor_model) if copy_model else actor_model).eval().requires_grad_(False)
+    if dtype is not None:
+        ref = ref.to(dtype)
+        ref.autocast_dtype = None  # its weights are in dtype already
+    return TensorDictModule(
+        ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Full-sequence layout [B, T]: every token of a row, 0 off the mask
+# --------------------------------------------------------------------------- #
+
+
+def _check_row_inputs(tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None, who: str):
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(
+            f"{who}: tokens must be a [B, T] tensor of token ids, got {shape}; convert TorchRL turn batches "
+            f"with LLMToTokenBatch first"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise TypeError(f"{who}: tokens must hold integer token ids, got dtype {tokens.dtype}")
+    _validate.check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
+    if attention_mask is not None:
+        attention_mask = _validate.check_mask(attention_mask, tokens.shape, "tokens")
+    if mask is not None:
+        mask = _validate.check_mask(mask, tokens.shape, "tokens")
+    return attention_mask, mask
+
+
+def _zero_off_mask(mask: Tensor | None, *xs: Tensor) -> tuple[Tensor, ...]:
+    if mask is None:
+        return xs
+    return tuple(torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in xs)
+
+
+class CausalLMCritic(TensorDictModuleBase):
+    """A value head on a causal LM: one forward pass scores every token of every row.
+
+    ``state_value[b, t] = w . h[b, t - 1] + c`` is the value of the prefix
+    ``tokens[b, :t]`` — the state in which token ``t`` was chosen — where ``h``
+    are the LM's last hidden states (the decoder only; the LM head is not run)
+    and ``(w, c)`` a linear head (:func:`value_head` with ``init="normal"``).
+    ``("next", "state_value")[b, t] = w . h[b, t] + c``
+    is the value after token ``t`` (equal to ``state_value[b, t + 1]``); on the
+    last token of a dialog cut by the batch boundary it is the bootstrap value
+    :class:`~ppo_objectives.value.gae.MaskedGAE` reads. Both are exactly 0 where
+    ``mask`` is False (holes and padding) and have the TorchRL layout ``[B, T, 1]``.
+
+    This is the token-level critic of RLHF-PPO (Ouyang et al. 2022; Ziegler et
+    al. 2019): a copy of the policy LM with a scalar head instead of the LM head.
+
+    Args:
+        model: a Hugging Face causal LM (``AutoModelForCausalLM.from_config(...)``,
+            or a copy of the policy's model) or its decoder; any module called
+            as ``model(input_ids=..., attention_mask=...)`` returning
+            ``.last_hidden_state`` of size ``hidden_size``. Its decoder is found by
+            :func:`~ppo_objectives.llm.hf.hf_decoder` and called through
+            :func:`~ppo_objectives.llm.hf.hf_forward`, as in ``HFCausalLMAdapter``.
+
+    Keyword Args:
+        hidden_size: defaults to ``model.config.hidden_size``.
+        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
+        out_key, next_out_key: outputs; ``next_out_key=None`` skips it.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> class Embed(torch.nn.Module):                 # stands in for a causal LM's decoder
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb = torch.nn.Embedding(10, 4)
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return type("Out", (), {"last_hidden_state": self.emb(input_ids)})()
+        >>> critic = CausalLMCritic(Embed(), hidden_size=4)
+        >>> td = TensorDict(
+        ...     {"tokens": torch.tensor([[1, 2, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]]).bool(),
+        ...      "mask": torch.tensor([[False, True, True, False]])},
+        ...     batch_size=[1, 4],
+        ... )
+        >>> critic(td)["state_value"].shape
+        torch.Size([1, 4, 1])
+        >>> (td["state_value"].squeeze(-1) != 0).tolist()     # exactly 0 off the mask
+        [[False, True, True, False]]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        hidden_size: int | None = None,
+        tokens_key: NestedKey = "tokens",
+        attention_mask_key: NestedKey | None = "attention_mask",
+        mask_key: NestedKey = "mask",
+        out_key: NestedKey = "state_value",
+        next_out_key: NestedKey | None = ("next", "state_value"),
+    ):
+        super().__init__()
+        if hidden_size is None:
+            config = getattr(model, "config", None)
+            hidden_size = getattr(config, "hidden_size", None)
+            if hidden_size is None:
+                raise ValueError(
+                    f"CausalLMCritic: cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
+                )
+        self.backbone = hf_decoder(model)
+        self.head = value_head(int(hidden_size), init="normal")
+        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
+        self.out_key, self.next_out_key = out_key, next_out_key
+        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
+        self.out_keys = [k for k in (out_key, next_out_key) if k is not None]
+
+    def values(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
+        """``(state_value, next_state_value)``, both ``[B, T]``, from ``[B, T]`` inputs."""
+        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMCritic")
+        h = hf_forward(self.backbone, tokens, attention_mask, output="last_hidden_state")  # [B, T, H]
+        after = read_values(self.head, h)  # [B, T]: value after token t
+        before = torch.cat([after.new_zeros(after.shape[0], 1), after[:, :-1]], dim=1)  # value before token t
+        before, after = _zero_off_mask(mask, before, after)
+        return before, after
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
+        before, after = self.values(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
+        tensordict.set(self.out_key, before.unsqueeze(-1))
+        if self.next_out_key is not None:
+            tensordict.set(self.next_out_key, after.unsqueeze(-1))
+        return tensordict
+
+
+class CausalLMTokenLogProbs(TensorDictModuleBase):
+    """Per-token log-probs (and entropies) of every row under a causal LM, in one forward pass.
+
+    ``log_prob[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]]`` for ``t >= 1``
+    (the alignment of ``sample_log_prob`` in
+    :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch`), in float32 without a full
+    ``[B, T, V]`` float32 log-softmax. Exactly 0 where ``mask`` is False.
+    ``entropy[b, t]`` is the entropy of the same distribution.
+
+    Two paths, the same numbers (up to float rounding):
+
+    - **logits** (``from_hidden=False``): the model's own forward (hooks and
+      model-specific logit processing apply) and :func:`read_log_probs`.
+    - **hidden states** (``from_hidden=True``): the decoder only
+      (:func:`~ppo_objectives.llm.hf.hf_decoder` through
+      :func:`~ppo_objectives.llm.hf.hf_forward`, ``last_hidden_state``), then the head
+      ``model.get_output_embeddings()`` folded into
+      :func:`~ppo_objectives.functional.response_log_probs_from_hidden`: the
+      ``[B, T, V]`` logits are never formed and positions where ``mask`` is False are
+      not projected. Only for a head that is exactly an ``nn.Linear`` without forward
+      hooks, on a model without forward hooks whose config neither soft-caps nor
+      scales the logits (``final_logit_softcapping``, ``logit_scale``,
+      ``logits_scaling``): then the logits are ``hidden @ W^T + b`` and the paths agree.
+    - ``from_hidden="auto"`` (the default): hidden states when the model qualifies and
+      ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits.
+
+    Use it as the actor read-out of ``TokenPPOLoss`` (gradients flow into the
+    LM), and under ``torch.no_grad()`` with ``out_key="sample_log_prob"`` to
+    recompute the sampling log-probs of a converted batch.
+
+    Args:
+        model: a Hugging Face causal LM (the one inside ``TransformersWrapper``,
+            ``wrapper.model``), called through :func:`~ppo_objectives.llm.hf.hf_forward`
+            as ``model(input_ids=..., attention_mask=...)`` and returning
+            ``.logits`` ``[B, T, V]``.
+
+    Keyword Args:
+        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
+        out_key: the log-prob output. Defaults to ``"log_prob"``.
+        entropy_key: the entropy output; ``None`` skips it. Defaults to ``"entropy"``.
+        from_hidden: ``True``, ``False`` or ``"auto"`` (above).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokens_key: NestedKey = "tokens",
+        attention_mask_key: NestedKey | None = "attention_mask",
+        mask_key: NestedKey = "mask",
+        out_key: NestedKey = "log_prob",
+        entropy_key: NestedKey | None = "entropy",
+        from_hidden: bool | str = "auto",
+    ):
+        super().__init__()
+        _check_from_hidden(from_hidden, "CausalLMTokenLogProbs")
+        self.model = model
+        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
+        self.out_key, self.entropy_key = out_key, entropy_key
+        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
+        self.out_keys = [k for k in (out_key, entropy_key) if k is not None]
+        fix = (
+            "the hidden-state path needs model.get_output_embeddings() to be a plain nn.Linear without hooks and "
+            "no logit soft-capping / scaling in the config; use from_hidden=False (the model's own logits)"
+        )
+        #: Whether this read-out scores hidden states (True) or the model's logits (False).
+        self.from_hidden = _use_hidden(from_hidden, _hf_linear_head(model), "CausalLMTokenLogProbs", fix)
+
+    def log_probs(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
+        """``(log_prob, entropy)``, both ``[B, T]`` float32, from ``[B, T]`` inputs."""
+        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMTokenLogProbs")
+        B, T = tokens.shape
+        if self.from_hidden:
+            return self._from_hidden(tokens, attention_mask, mask)
+        logits = hf_forward(self.model, tokens, attention_mask, output="logits")  # [B, T, V]
+        if T < 2:
+            zeros = logits.new_zeros(B, T, dtype=torch.float32)
+            return zeros, zeros.clone()
+        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
+        lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True)  # tokens 1..T-1
+        pad = lp.new_zeros(B, 1)
+        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
+        return _zero_off_mask(mask, lp, ent)
+
+    def _from_hidden(self, tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None):
+        B, T = tokens.shape
+        hidden = hf_forward(hf_decoder(self.model), tokens, attention_mask, output="last_hidden_state")  # [B, T, C]
+        if T < 2:
+            zeros = hidden.new_zeros(B, T, dtype=torch.float32)
+            return zeros, zeros.clone()
+        weight, bias = _hf_linear_head(self.model)
+        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
+        lp, ent = response_log_probs_from_hidden(
+            hidden, weight, tokens, ones, T - 1, lm_head_bias=bias, mask=None if mask is None else mask[:, 1:],
+            return_entropy=True,
+        )  # fmt: skip
+        pad = lp.new_zeros(B, 1)
+        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
+        return _zero_off_mask(mask, lp, ent)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
+        lp, ent = self.log_probs(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
+        tensordict.set(self.out_key, lp)
+        if self.entropy_key is not None:
+            tensordict.set(self.entropy_key, ent)
+        return tensordict
+
+
+#: Config fields that change the logits after the head: a soft cap, and scales (1 is none).
+_LOGIT_CAPS = ("final_logit_softcapping",)
+_LOGIT_SCALES = ("logit_scale", "logits_scaling")
+
+
+def _hf_linear_head(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight, bias)`` of a Hugging Face causal LM whose logits are exactly ``head(last_hidden_state)``,
+    else ``None``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear or _has_forward_hooks(head) or _has_forward_hooks(model):
+        return None
+    if hf_decoder(model) is model:  # a decoder alone: no head after it
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) is not None for name in _LOGIT_CAPS):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_SCALES):
+        return None
+    return head.weight, head.bias

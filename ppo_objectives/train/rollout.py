@@ -1,0 +1,89 @@
+"""One rollout: collect episodes, score them (values, reference KL penalty), estimate advantages.
+
+:func:`rollout_batch` is :func:`collect_batch` (the collector's per-token rows into
+the response layout) followed by :func:`score_batch` (the critic's values, the
+KL-penalised rewards of :class:`~ppo_objectives.transforms.KLPenaltyTransform`,
+then the advantage estimator); :func:`rollout_stats` reduces what is logged over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from ppo_objectives.train.distributed import all_reduce
+from ppo_objectives import functional as F
+from ppo_objectives.llm.layouts import trajectories_to_llm_batch
+from ppo_objectives.llm.readouts import ActorCritic
+from ppo_objectives.transforms import KLPenaltyTransform
+from ppo_objectives.value.gae import MaskedGAE
+
+
+#: Where a critic-free group estimator reads each response's return: the sum of its (KL-penalised) per-token
+#: rewards, which is the task score when the in-reward KL coefficient is 0.
+RETURN_KEY = "penalized_score"
+
+
+# --------------------------------------------------------------------------- #
+# The algorithm: rollout, then the PPO update with its trust region
+# --------------------------------------------------------------------------- #
+
+
+def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransform, gae: MaskedGAE, P: int,
+                  M: int):
+    """One collector batch -> the response-layout batch the loss trains on (advantages included).
+
+    Under data parallelism ``gae`` whitens over the valid tokens of every rank
+    (``MaskedGAE(..., average_gae=True, process_group=pg)``).
+    """
+    device = next(ac.actor_model.parameters()).device
+    return score_batch(collect_batch(collector_iter, device, P, M), ac, kl_transform, gae)
+
+
+def collect_batch(collector_iter, device: torch.device, P: int, M: int) -> TensorDictBase:
+    """The first half of :func:`rollout_batch`: one collector batch ``[N, T]`` as the response layout ``[B]``,
+    with the env's per-token reward copied where ``MaskedGAE`` reads it."""
+    batch = next(collector_iter)  # [N, T] per-token steps
+    llm = trajectories_to_llm_batch(batch.to(device), P, M)
+    llm.set(("next", "reward"), llm.get("token_reward").clone())  # the env's per-token reward
+    return llm
+
+
+def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTransform,
+                gae: MaskedGAE) -> TensorDictBase:
+    """The second half of :func:`rollout_batch`: ``V_old`` (unless the env policy wrote it), the reference
+    log-probs and the KL penalty, then GAE; returns ``llm`` with these entries."""
+    with torch.no_grad():
+        critic_free = getattr(gae, "critic_free", False)
+        if "state_value" not in llm.keys() and not critic_free:  # a critic on the actor's trunk: the policy wrote it
+            ac.critic(llm)  # V_old: "state_value" [B, R]
+        kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
+        if critic_free:  # a group estimator reads each response's (penalised) return
+            llm.set(RETURN_KEY, F.masked_sum(llm.get(("next", "reward")), llm.get("mask"), dim=-1))
+        gae(llm)  # "advantage" (whitened over valid tokens), "value_target" = raw advantage + V_old
+    return llm
+
+
+def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
+    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun)."""
+    score, B = llm["score"], llm.batch_size[0]
+    n_tok = llm["mask"].sum()
+    if pg is None:
+        return dict(
+            reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
+            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(kl_transform.last_kl),
+            seq_kl=float(kl_transform.last_seq_kl), seq_kl_t=kl_transform.last_seq_kl, tokens=int(n_tok),
+        )  # fmt: skip
+    v = torch.stack([
+        score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
+        kl_transform.last_kl.to(score.device), kl_transform.last_seq_kl.to(score.device) * B,
+    ]).to(torch.float64)  # fmt: skip
+    total = all_reduce(v, pg).tolist()
+    episodes = max(total[3], 1.0)
+    seq_kl = total[5] / episodes
+    return dict(
+        reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
+        episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
+        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=kl_transform.last_seq_kl.device),
+        tokens=int(total[2]),
+    )  # fmt: skip
