@@ -43,7 +43,7 @@ step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
     $PY -c 'import triton; print(\"triton\", triton.__version__)'; \
     $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; \
     $PY -c 'import torchrl, tensordict, ppo_objectives; print(\"torchrl\", torchrl.__version__, \"tensordict\", tensordict.__version__); \
-from ppo_objectives import _gae_fast; print(\"masked_gae auto backend on cuda:\", _gae_fast.select_backend(\"cuda\", \"auto\"))'"
+from ppo_objectives._kernels import gae; print(\"masked_gae auto backend on cuda:\", gae.select_backend(\"cuda\", \"auto\"))'"
 
 # CUDA-marked tests: the GAE kernels and every device-parametrised test on cuda, among them the hidden-state
 # log-probs in float32 / bf16 (test_logprobs_hidden.py), the HF KV cache (test_hf_cache.py) and the job on a

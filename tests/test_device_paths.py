@@ -1,11 +1,11 @@
 """The training job on a local checkpoint on CUDA (skipped without a GPU).
 
 The CPU run of the same job (bf16 autocast, activation checkpointing) is
-``tests/test_pretrained.py::test_the_job_in_bfloat16_keeps_float32_master_weights_and_a_bf16_reference``;
+``tests/train/test_pretrained.py::test_the_job_in_bfloat16_keeps_float32_master_weights_and_a_bf16_reference``;
 this one is marked ``cuda``, so ``pytest -m cuda`` selects it and ``benchmarks/gpu_check.sh`` runs it.
 The kernels under it are device-parametrised where they are tested: the hidden-state log-probs in float32 and bf16
-(``tests/test_logprobs_hidden.py``) and the Hugging Face per-row KV cache
-(``tests/test_hf_cache.py``).
+(``tests/llm/test_logprobs_hidden.py``) and the Hugging Face per-row KV cache
+(``tests/llm/test_hf_cache.py``).
 """
 
 from __future__ import annotations

@@ -298,3 +298,16 @@ def test_oversized_functions_and_classes_are_caught(tmp_path):
 def test_a_table_row_without_modules_is_refused():
     with pytest.raises(AssertionError, match="lists no module; write `name`s or nothing"):
         import_table(BAD_DESIGN.replace("| `low` | nothing |", "| `low` | the layers below |"))
+
+
+def test_modules_of_subpackages_are_named_by_their_dotted_path(tmp_path):
+    package = _bad_package(tmp_path, {"__init__.py": "", "low.py": ""})
+    (package / "sub").mkdir()
+    (package / "sub" / "__init__.py").write_text("from pkg.sub.inner import f\n")
+    (package / "sub" / "inner.py").write_text("from pkg import low\nfrom pkg.sub import other\nother._x()\n")
+    (package / "sub" / "other.py").write_text("def _x(): ...\n")
+    assert package_imports(package) == {"__init__": {}, "low": {}, "sub": {"sub.inner": 1},
+                                        "sub.inner": {"low": 1, "sub.other": 2}, "sub.other": {}}
+    assert private_name_uses(package) == ["sub/inner.py:3 other._x"]
+    design = BAD_DESIGN.replace("top.py        the top", "sub/inner.py        the top")
+    assert layer_ranks(design)["sub.inner"] < layer_ranks(design)["low"]

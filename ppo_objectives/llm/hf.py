@@ -88,7 +88,7 @@ def hf_forward(
 
 
 #: Hugging Face ``model_type`` values whose decoder is verified to take the per-row cache
-#: (tests/test_hf_cache.py): RoPE positions from ``position_ids``, an explicit 4D mask passed through
+#: (tests/llm/test_hf_cache.py): RoPE positions from ``position_ids``, an explicit 4D mask passed through
 #: ``create_causal_mask`` as is, and ``cache.update(keys, values, layer_idx)`` in every attention layer.
 _KV_CACHE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

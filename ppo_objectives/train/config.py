@@ -219,8 +219,9 @@ class TrainConfig:
         if not _validate.is_real(self.early_stop_kl, low=0.0):
             raise ValueError(f"TrainConfig early_stop_kl={self.early_stop_kl!r} must be a finite number >= 0 (0 turns "
                              "the trust region off)")
-        if self.policy_lam is not None:
-            _validate.check_unit_interval("policy_lam", self.policy_lam)
+        for name in ("gamma", "lam", "policy_lam"):  # checked here, not first inside a GAE call
+            if getattr(self, name) is not None:
+                _validate.check_unit_interval(name, getattr(self, name))
         if self.length_alpha is not None and not _validate.is_real(self.length_alpha, low=0.0, strict=True):
             raise ValueError(f"TrainConfig length_alpha={self.length_alpha!r} must be a finite number > 0")
         if self.policy_lam is not None and self.length_alpha is not None:

@@ -354,7 +354,7 @@ def test_hf_adapter_drives_the_env_and_matches_its_own_forward():
     lm = _tiny_llama()
     env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=3, seed=0)
     ac = make_actor_critic(lm, prompt_len=env.prompt_len)
-    assert ac.policy.module[0].module.use_kv_cache  # Llama takes the per-row cache (tests/test_hf_cache.py)
+    assert ac.policy.module[0].module.use_kv_cache  # Llama takes the per-row cache (tests/llm/test_hf_cache.py)
     with torch.no_grad():
         roll = env.rollout(2, ac.policy, break_when_any_done=False)
     step = roll[:, 1]

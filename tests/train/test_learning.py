@@ -17,7 +17,7 @@ import pytest
 
 from ppo_objectives import train as T
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEEDS = (0, 4)
 ITERATIONS = 200
 GAIN = 0.15  # last-10 mean reward must beat the first-10 mean by this much (0.32 -> >= 0.47)

@@ -19,6 +19,8 @@ SMALL = ["--preset", "pico", "--num-envs", "8", "--warmup-steps", "3", "--ppo-ep
     (["--task", "chat-add1"], "--task chat-add1 is a text task: it needs --model DIR"),
     (["--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
     (["--policy-lam", "0.9", "--length-alpha", "1"], "--policy-lam and --length-alpha both set"),
+    (["--gamma", "1.5"], "gamma=1.5 is outside [0, 1]"),
+    (["--lam", "-0.1"], "lam=-0.1 is outside [0, 1]"),
 ])  # fmt: skip
 def test_configuration_errors_are_error_lines(cli_error, tmp_path, argv, match):
     err = cli_error([*argv, "--out", str(tmp_path)])

@@ -459,8 +459,8 @@ def test_kernel_rejects_bootstrap_together_with_ends():
 _INTERPRETED_KERNEL = """
 import torch
 from ppo_objectives import functional as F
-from ppo_objectives._triton_gae import masked_gae_triton
-import tests.test_gae_fast as t
+from ppo_objectives._kernels.triton_gae import masked_gae_triton
+import tests.kernels.test_gae_fast as t
 gen = torch.Generator().manual_seed(0)
 worst = 0.0
 cases = [((3, 1), kind) for kind in t.MASK_KINDS] + [((3, 17), kind) for kind in t.MASK_KINDS]
@@ -488,7 +488,7 @@ def test_triton_kernel_runs_under_the_interpreter_for_both_layouts():
     # TRITON_INTERPRET=1 executes the real kernel source on CPU tensors, so the kernel is checked
     # on machines without a GPU; it must be set before triton is imported, hence the subprocess
     env = dict(os.environ, TRITON_INTERPRET="1")
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
