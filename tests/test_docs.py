@@ -25,7 +25,7 @@ EARLIER = ("envs", "models", "policy", "readouts", "layouts", "llm_interop", "pr
 DOCUMENTED_ELSEWHERE = {**{f"{pkg}.{m}": pkg for pkg, ms in INNER.items() for m in ms},
                         **{m: "earlier_paths" for m in EARLIER}}
 
-_DIRECTIVE = re.compile(r"^\.\. (auto\w+|currentmodule|autosummary)::(.*)$")
+_DIRECTIVE = re.compile(r"^\.\. (auto\w+|data|currentmodule|autosummary)::(.*)$")
 
 
 def _public_modules() -> list[str]:

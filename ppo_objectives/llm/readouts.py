@@ -80,7 +80,7 @@ VALUE_HEAD_INITS = ("zeros", "normal")
 
 
 def value_head(hidden_size: int, *, init: str = "zeros") -> nn.Linear:
-    """The critic's scalar head ``nn.Linear(hidden_size, 1)``: ``value = w . h + c``.
+    """The critic's scalar head ``nn.Linear(hidden_size, 1)``: ``value = w·h + c``.
 
     Two initialisations, each kept because the results built on it depend on it:
 

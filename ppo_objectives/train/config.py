@@ -22,6 +22,7 @@ from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.monitor import FLAGS
 
 
+#: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
 METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
