@@ -6,7 +6,7 @@ difference goes. In one process, alternating iteration by iteration:
 
 * **the job**: built as ``python -m ppo_objectives.train --model DIR --task TASK`` builds it
   (the ``pretrained`` recipe: 32 rows, a value head on the actor's trunk, one pass in two
-  minibatch steps, the approx-KL trust region), running its own iteration (``train._iteration``);
+  minibatch steps, the approx-KL trust region), running its own iteration (``train.loop._iteration``);
 * **the plain loop**: ``model.generate`` of 8 prompts x 4 samples of the same task at T = 1,
   one forward and backward of the model on them, one AdamW step (``plain_pg_loop.plain_pg_step``),
   on its own copy of the model.
@@ -40,10 +40,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from plain_pg_loop import plain_pg_step  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from ppo_objectives.train import checkpoints
 
 from ppo_objectives.train import distributed
 from ppo_objectives import train as T
+from ppo_objectives.train import build, loop, update
 
 DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 ROLLOUT = "rollout (collector: sampling, V_old)"
@@ -91,16 +91,16 @@ def _timed(clock: PhaseClock, name, fn):
 
 def instrument(run, clock: PhaseClock) -> None:
     """Put the clock on every phase of the job's iteration (module functions, methods, this run's modules)."""
-    tr = T._TrustRegionUpdate
-    T.collect_batch = _timed(clock, ROLLOUT, T.collect_batch)
-    distributed.release_host_memory = _timed(clock, "host memory trim", distributed.release_host_memory)
-    T.ppo_update = _timed(clock, "update: rest (minibatch slicing, diagnostics)", T.ppo_update)
+    tr = update._TrustRegionUpdate
+    loop.collect_batch = _timed(clock, ROLLOUT, loop.collect_batch)
+    loop.release_host_memory = _timed(clock, "host memory trim", loop.release_host_memory)
+    loop.ppo_update = _timed(clock, "update: rest (minibatch slicing, diagnostics)", loop.ppo_update)
     loss_name = lambda: ("update: trust-region check forward" if clock.inside("check")  # noqa: E731
                          else "update: loss forward")
     tr.loss = _timed(clock, loss_name, tr.loss)
     tr.backward = _timed(clock, "update: backward + gradient clipping", tr.backward)
     tr.check_last_step = _timed(clock, "check", tr.check_last_step)
-    checkpoints.snapshot = _timed(clock, "update: trust-region snapshot", checkpoints.snapshot)
+    update.snapshot = _timed(clock, "update: trust-region snapshot", update.snapshot)
     for opt in run.optimizers:
         opt.step = _timed(clock, "update: AdamW steps", opt.step)
     run.kl_transform.forward = _timed(clock, "reference forward + KL penalty", run.kl_transform.forward)
@@ -119,7 +119,7 @@ def _measure(args, out: str) -> tuple[list[dict], list[dict]]:
     cfg = T.TrainConfig(**vars(T.build_parser().parse_args(flags)))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run = T._build(cfg, distributed.init_distributed(cfg.device))
+    run = build.build(cfg, distributed.init_distributed(cfg.device))
     plain = AutoModelForCausalLM.from_pretrained(str(args.model), local_files_only=True, dtype=torch.float32)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-5, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
@@ -128,7 +128,7 @@ def _measure(args, out: str) -> tuple[list[dict], list[dict]]:
     job_rows, plain_rows = [], []
     for it in range(args.iterations + 1):
         t0 = time.perf_counter()
-        row = T._iteration(run, it)
+        row = loop._iteration(run, it)
         elapsed = time.perf_counter() - t0
         phases = clock.take()
         phases.pop("check", None)  # its forward is counted under its own name

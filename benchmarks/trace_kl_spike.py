@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from ppo_objectives import train as T
+from ppo_objectives.train import loop, update
 
 
 class _Found(Exception):
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
 
     found = {}
-    real_update = T.ppo_update
+    real_update = loop.ppo_update
 
     def traced_update(llm, loss_module, ac, optimizers, cfg, generator, *, process_group=None):
         model, opt = ac.actor_model, optimizers[0]
@@ -110,14 +111,14 @@ def main(argv=None) -> int:
             h2.remove()
 
     iters: list[int] = []
-    T.ppo_update = traced_update
+    loop.ppo_update = traced_update  # the loop calls the update through its own module
     try:
         T.main(["--seed", str(args.seed), "--iterations", str(args.max_iterations), "--lr", str(args.lr),
                 "--no-rollback", "--no-progress", "--no-plot", "--out", str(ROOT / "runs" / "trace_kl_spike")])
     except _Found:
         pass
     finally:
-        T.ppo_update = real_update
+        loop.ppo_update = real_update
     if not found:
         print(f"no step multiplied the batch approx-KL by {args.jump}x within {args.max_iterations} iterations")
         return 1
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
 
     print(f"\n4. the trust region (early_stop_kl={cfg.early_stop_kl}) on this step, measured on the whole batch")
     kept = None
-    for frac in (1.0, *T._BACKTRACK):
+    for frac in (1.0, *update._BACKTRACK):
         set_params(frac)
         kl = kl_approx_now()
         print(f"  fraction {frac:5.3f} of the step: kl_approx {kl:.4f}" + ("  <- kept" if kl <= cfg.early_stop_kl
