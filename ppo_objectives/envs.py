@@ -4,7 +4,7 @@ New code imports from there; ``docs/design.md`` lists the re-exports.
 """
 
 from ppo_objectives.llm.env import TokenLMEnv
-from ppo_objectives.train.digit import DigitTask, warm_start
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
+from ppo_objectives.train.digit import DigitTask, warm_start
 
 __all__ = ["DigitTask", "TokenLMEnv", "trajectories_to_llm_batch", "warm_start"]  # fmt: skip

@@ -37,9 +37,9 @@ import math
 import torch
 from torch import Tensor
 
+from ppo_objectives import _validate
 from ppo_objectives._kernels import gae as _gae_fast
 from ppo_objectives._kernels import logprobs as _logprobs
-from ppo_objectives import _validate
 from ppo_objectives._validate import value_checks
 
 __all__ = [

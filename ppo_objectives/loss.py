@@ -28,9 +28,9 @@ from torchrl.objectives import LossModule
 from torchrl.objectives.utils import ValueEstimators, dispatch_value_estimator
 from torchrl.objectives.value import ValueEstimatorBase
 
-from ppo_objectives import functional as F
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
+from ppo_objectives import functional as F
 from ppo_objectives.value.gae import MaskedGAE
 
 __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]

@@ -3,8 +3,8 @@
 New code imports from there; ``docs/design.md`` lists the re-exports.
 """
 
-from ppo_objectives.llm.models import PRESETS, KVCache, LMOutput, TinyCausalLM, TinyLMConfig, position_ids_from_mask
 from ppo_objectives.llm.hf import HFCausalLMAdapter, hf_decoder, hf_forward
+from ppo_objectives.llm.models import PRESETS, KVCache, LMOutput, TinyCausalLM, TinyLMConfig, position_ids_from_mask
 
 __all__ = ["HFCausalLMAdapter", "KVCache", "LMOutput", "PRESETS", "TinyCausalLM", "TinyLMConfig", "hf_decoder", "hf_forward", "position_ids_from_mask"]  # fmt: skip
 

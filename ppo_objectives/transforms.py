@@ -26,9 +26,9 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Compose, Transform
 
-from ppo_objectives import functional as F
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
+from ppo_objectives import functional as F
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 

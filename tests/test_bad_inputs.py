@@ -46,10 +46,11 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from ppo_objectives import functional as F
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
-from ppo_objectives.llm.layouts import trajectories_to_llm_batch
-from ppo_objectives.llm.layouts import ToLLMBatch
+from ppo_objectives.llm.layouts import ToLLMBatch, trajectories_to_llm_batch
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.policy import NextTokenLogits, sample_with_kv_cache
+from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
 from ppo_objectives.llm_interop import (
     CausalLMCritic,
     CausalLMTokenLogProbs,
@@ -57,9 +58,7 @@ from ppo_objectives.llm_interop import (
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.llm.policy import NextTokenLogits, sample_with_kv_cache
-from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
+from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
 

@@ -10,10 +10,7 @@ from torch import nn
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers import SamplerWithoutReplacement
 
-from ppo_objectives import AdaptiveKLController
-from ppo_objectives import KLPenaltyTransform
-from ppo_objectives import MaskedGAE
-from ppo_objectives import TokenPPOLoss
+from ppo_objectives import AdaptiveKLController, KLPenaltyTransform, MaskedGAE, TokenPPOLoss
 
 V, B, R, MB = 7, 16, 6, 4
 

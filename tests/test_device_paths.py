@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_objectives.train import pretrained as PT
 from ppo_objectives import train as T
+from ppo_objectives.train import pretrained as PT
 from ppo_objectives.train.digit import DigitTask
 
 pytest.importorskip("transformers")

@@ -577,11 +577,11 @@ def test_runs_on_every_device(device):
 
 def _factory_batch():
     """A response-layout batch made by the package's own pieces: env + collector postproc, critic, KL, GAE."""
-    from ppo_objectives.train.digit import DigitTask
     from ppo_objectives.llm.env import TokenLMEnv
     from ppo_objectives.llm.layouts import ToLLMBatch
     from ppo_objectives.llm.models import TinyLMConfig
     from ppo_objectives.llm.readouts import make_actor_critic
+    from ppo_objectives.train.digit import DigitTask
     from ppo_objectives.transforms import KLPenaltyTransform
 
     torch.manual_seed(0)

@@ -59,11 +59,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
+
 from ppo_objectives import _validate
 
 __all__ = ["LMTask", "RewardFn", "TokenLMEnv"]

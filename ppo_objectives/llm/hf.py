@@ -20,8 +20,10 @@ Shape letters: ``B`` rows, ``T`` tokens per call, ``S`` the KV-cache length,
 from __future__ import annotations
 
 import functools
+
 import torch
 from torch import Tensor, nn
+
 from ppo_objectives import _validate
 from ppo_objectives.llm.models import KVCache, LMOutput, autocast_context, check_autocast_dtype, position_ids_from_mask
 

@@ -38,9 +38,11 @@ import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from ppo_objectives import _validate
 
 __all__ = ["PRESETS", "KVCache", "LMOutput", "TinyCausalLM", "TinyLMConfig", "position_ids_from_mask"]

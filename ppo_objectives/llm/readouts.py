@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from ppo_objectives import _validate
 from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden, value_checks
-from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.hf import hf_decoder, hf_forward
+from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.policy import make_actor
 
 __all__ = [

@@ -49,6 +49,7 @@ Example:
     [('advantage',), ('value_target',)]
 """
 
+from ppo_objectives.testing.asserts import MaskInvariantReport, assert_mask_invariant, assert_matches_reference
 from ppo_objectives.testing.batches import (
     MASK_KINDS,
     collector_batch,
@@ -56,13 +57,6 @@ from ppo_objectives.testing.batches import (
     make_generator,
     make_mask,
     response_batch,
-)
-from ppo_objectives.testing.references import (
-    reference_gae_collector,
-    reference_gae_response,
-    reference_gae_tensordict,
-    reference_kl,
-    reference_ppo_policy_loss,
 )
 from ppo_objectives.testing.networks import (
     CHAT_TEMPLATE,
@@ -72,7 +66,13 @@ from ppo_objectives.testing.networks import (
     tiny_chat_checkpoint,
     tiny_chat_tokenizer,
 )
-from ppo_objectives.testing.asserts import MaskInvariantReport, assert_mask_invariant, assert_matches_reference
+from ppo_objectives.testing.references import (
+    reference_gae_collector,
+    reference_gae_response,
+    reference_gae_tensordict,
+    reference_kl,
+    reference_ppo_policy_loss,
+)
 
 __all__ = [
     "CHAT_TEMPLATE",

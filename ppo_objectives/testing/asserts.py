@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor
-from ppo_objectives.testing.batches import make_generator
 
+from ppo_objectives.testing.batches import make_generator
 
 # --------------------------------------------------------------------------- #
 # Assertions

@@ -9,11 +9,12 @@ flags) and :func:`make_mask` (``MASK_KINDS``). Deterministic given a seed.
 from __future__ import annotations
 
 from typing import Sequence
+
 import torch
 from tensordict import TensorDict
 from torch import Tensor
-from ppo_objectives.testing.references import reference_gae_response
 
+from ppo_objectives.testing.references import reference_gae_response
 
 #: The mask kinds of :func:`make_mask` and of every batch factory's ``mask=``.
 MASK_KINDS = ("right", "left", "holes", "empty_rows", "all_valid", "mixed")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from tensordict.nn import TensorDictModule
 from torch import Tensor, nn
-from ppo_objectives.testing.batches import check_size, make_generator
 
+from ppo_objectives.testing.batches import check_size, make_generator
 
 # --------------------------------------------------------------------------- #
 # Tiny deterministic networks

@@ -9,10 +9,10 @@ writes), :func:`reference_ppo_policy_loss` and :func:`reference_kl` (k1 / k2 / k
 from __future__ import annotations
 
 import math
+
 import torch
 from tensordict import TensorDictBase
 from torch import Tensor
-
 
 # --------------------------------------------------------------------------- #
 # Reference implementations: plain Python loops over floats

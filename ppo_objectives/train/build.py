@@ -12,26 +12,27 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from tensordict.nn import TensorDictModule
-from ppo_objectives.train.rollout import RETURN_KEY
-from ppo_objectives.train.checkpoints import load_checkpoint, restore_rng_states, restore_state
-from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_rollout, shard_fsdp, wrap_ddp
-from ppo_objectives.train.loggers import truncate_metrics
-from ppo_objectives.train import text_job
-from ppo_objectives.train.digit import DigitTask, warm_start
+
 from ppo_objectives.llm.env import TokenLMEnv
-from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.readouts import ActorCritic, frozen_reference, make_actor_critic
+from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.train import text_job
+from ppo_objectives.train.checkpoints import load_checkpoint, restore_rng_states, restore_state
+from ppo_objectives.train.config import TrainConfig, columns
+from ppo_objectives.train.digit import DigitTask, warm_start
+from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_rollout, shard_fsdp, wrap_ddp
+from ppo_objectives.train.loggers import truncate_metrics
 from ppo_objectives.train.monitor import CollapseGuard
 from ppo_objectives.train.pretrained import load_causal_lm, load_policy_model
+from ppo_objectives.train.rollout import RETURN_KEY
 from ppo_objectives.train.text import TextTask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.critic_free import GroupAdvantage, ReinforcePlusPlus
 from ppo_objectives.value.gae import MaskedGAE
-from ppo_objectives.train.config import TrainConfig, columns
-
 
 # --------------------------------------------------------------------------- #
 # The pieces: env and collector, warm start, frozen reference, PPO modules

@@ -16,10 +16,11 @@ import os
 import sys
 from pathlib import Path
 from typing import Mapping
+
 import torch
 import torch.distributed as dist
-from ppo_objectives.train.distributed import Dist
 
+from ppo_objectives.train.distributed import Dist
 
 # --------------------------------------------------------------------------- #
 # RNG states

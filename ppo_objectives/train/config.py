@@ -12,15 +12,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
+
 import torch
+
+from ppo_objectives import _validate
 from ppo_objectives.train.checkpoints import read_run_config
+from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
 from ppo_objectives.train.loggers import LOGGERS, check_logger
-from ppo_objectives import _validate
-from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.monitor import FLAGS
-
+from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
 
 #: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
 METRICS = (

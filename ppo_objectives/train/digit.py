@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
 from ppo_objectives import _validate
 from ppo_objectives.llm.readouts import ResponseLogProbs
 

@@ -21,11 +21,12 @@ import functools
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 from tensordict.nn import TensorDictModule
-from ppo_objectives.llm.readouts import ActorCritic
 
+from ppo_objectives.llm.readouts import ActorCritic
 
 # --------------------------------------------------------------------------- #
 # torch.distributed (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK)

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-
 # --------------------------------------------------------------------------- #
 # The metrics CSV
 # --------------------------------------------------------------------------- #

@@ -15,9 +15,14 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
+
+from ppo_objectives.train import text_job
+from ppo_objectives.train.build import Run, build
 from ppo_objectives.train.checkpoints import checkpoint_state, rng_states, save_checkpoint, write_run_config
+from ppo_objectives.train.config import METRICS, TrainConfig, build_parser, check_launch, columns
 from ppo_objectives.train.distributed import (
     Dist,
     all_reduce,
@@ -27,17 +32,12 @@ from ppo_objectives.train.distributed import (
     init_distributed,
     release_host_memory,
 )
-from ppo_objectives.train.loggers import append_metrics, close_logger, log_row, make_logger, warn_line
-from ppo_objectives.train import text_job
-from ppo_objectives.train.loggers import read_metrics
-from ppo_objectives.train.text_job import EVAL_COLUMNS
+from ppo_objectives.train.loggers import append_metrics, close_logger, log_row, make_logger, read_metrics, warn_line
 from ppo_objectives.train.monitor import FLAGS, CollapseGuard
 from ppo_objectives.train.monitor import plot_metrics as _plot
-from ppo_objectives.train.build import Run, build
-from ppo_objectives.train.config import METRICS, TrainConfig, columns, build_parser, check_launch
-from ppo_objectives.train.rollout import rollout_stats, collect_batch, score_batch
+from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
+from ppo_objectives.train.text_job import EVAL_COLUMNS
 from ppo_objectives.train.update import ppo_update
-
 
 # --------------------------------------------------------------------------- #
 # The loop

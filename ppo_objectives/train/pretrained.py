@@ -65,9 +65,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppo_objectives import _validate
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.models import LMOutput
+from ppo_objectives.train.digit import DigitTask
 
 __all__ = [
     "ARCHITECTURES",

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
-from ppo_objectives.train.distributed import all_reduce
+
 from ppo_objectives import functional as F
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.llm.readouts import ActorCritic
+from ppo_objectives.train.distributed import all_reduce
 from ppo_objectives.transforms import KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
-
 
 #: Where a critic-free group estimator reads each response's return: the sum of its (KL-penalised) per-token
 #: rewards, which is the task score when the in-reward KL coefficient is 0.

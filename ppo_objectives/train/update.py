@@ -10,16 +10,18 @@ norm is not finite is skipped.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
+
+from ppo_objectives import functional as F
+from ppo_objectives.llm.readouts import ActorCritic
+from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train.checkpoints import restore, snapshot
+from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.distributed import all_reduce, clip_grad_norm_
 from ppo_objectives.train.loggers import log_skip
-from ppo_objectives import functional as F
-from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.llm.readouts import ActorCritic
-from ppo_objectives.train.config import TrainConfig
 
 
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,

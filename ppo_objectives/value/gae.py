@@ -25,9 +25,9 @@ from tensordict.utils import NestedKey
 from torch import Tensor
 from torchrl.objectives.value import ValueEstimatorBase
 
-from ppo_objectives import functional as F
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
+from ppo_objectives import functional as F
 
 __all__ = ["MaskedGAE"]
 

@@ -6,9 +6,9 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.envs.utils import check_env_specs
 
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
+from ppo_objectives.train.digit import DigitTask
 
 
 class _Scripted(torch.nn.Module):
@@ -305,9 +305,9 @@ def _collector(env, policy, postproc=None, batches=1):
 
 def test_to_llm_batch_as_collector_postproc_gives_the_loss_layout_with_the_reward_for_gae():
     from ppo_objectives.llm import layouts
-    from ppo_objectives.loss import TokenPPOLoss
     from ppo_objectives.llm.models import TinyLMConfig
     from ppo_objectives.llm.readouts import make_actor_critic
+    from ppo_objectives.loss import TokenPPOLoss
     from ppo_objectives.transforms import KLPenaltyTransform
     from ppo_objectives.value.gae import MaskedGAE
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.models import KVCache, TinyCausalLM, TinyLMConfig, position_ids_from_mask
 from ppo_objectives.llm.policy import NextTokenLogits, make_actor
+from ppo_objectives.train.digit import DigitTask
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,13 +7,13 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.llm.models import PRESETS, TinyCausalLM, TinyLMConfig, position_ids_from_mask
-from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.policy import NextTokenLogits, make_actor, sample_with_kv_cache
 from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, make_actor_critic
+from ppo_objectives.train.digit import DigitTask
 
 
 def _lm(vocab=16, block=16, preset="pico", seed=0, device="cpu"):

@@ -5,9 +5,7 @@ import torch
 from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives.value import GAE
 
-from ppo_objectives import KLPenaltyTransform
-from ppo_objectives import MaskedGAE
-from ppo_objectives import TokenPPOLoss
+from ppo_objectives import KLPenaltyTransform, MaskedGAE, TokenPPOLoss
 from ppo_objectives import functional as F
 from ppo_objectives import testing as T
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from ppo_objectives.train import distributed
-from ppo_objectives import train as T
-from ppo_objectives.llm.env import TokenLMEnv
-from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.llm.readouts import make_actor_critic
 from test_train import SMALL, _pieces
 from test_train_distributed import _params, _rollout
+
+from ppo_objectives import train as T
+from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.train import distributed
 
 WORLD = 2
 # One AdamW step of LR from the seed-0 networks on both ranks' rows takes kl_approx to 0.024; 1/2, 1/4 and

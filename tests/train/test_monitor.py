@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from test_train import SMALL
 
 from ppo_objectives import train as T
 from ppo_objectives.train import loop
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
-from test_train import SMALL
 
 HEALTHY = dict(reward=0.4, exact=0.1, response_len=4.0, entropy=1.5, kl_approx_max=0.05, kl_token_max=9.0,
                rolled_back=0)  # a large per-token maximum alone is no spike

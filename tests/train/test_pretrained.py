@@ -4,14 +4,14 @@
 import pytest
 import torch
 
-from ppo_objectives.train import pretrained as PT
 from ppo_objectives import train as T
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.llm.readouts import make_actor_critic
 from ppo_objectives.llm.policy import NextTokenLogits
+from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.train import pretrained as PT
+from ppo_objectives.train.digit import DigitTask
 
 pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from ppo_objectives.train import pretrained
 from ppo_objectives import testing as K
+from ppo_objectives.train import pretrained
 
 pytest.importorskip("transformers")
 

@@ -283,9 +283,9 @@ def test_job_on_a_text_task_evaluates_logs_samples_and_exports(tmp_path, chat_mo
     from transformers import AutoModelForCausalLM
 
     from ppo_objectives.llm.hf import HFCausalLMAdapter
-    from ppo_objectives.train.pretrained import load_tokenizer
     from ppo_objectives.llm.readouts import ResponseLogProbs
     from ppo_objectives.train import read_metrics
+    from ppo_objectives.train.pretrained import load_tokenizer
 
     rows, out = _run_job(tmp_path, chat_model_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # row 0: the model before training

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from ppo_objectives import train as T
-from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
-from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.llm.models import TinyLMConfig
 from ppo_objectives.llm.readouts import frozen_reference, make_actor_critic
+from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
 

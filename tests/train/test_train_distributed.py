@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from test_train import SMALL, _pieces
 
-from ppo_objectives.train import distributed
 from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss
-from test_train import SMALL, _pieces
+from ppo_objectives.train import distributed
 
 WORLD = 2
 

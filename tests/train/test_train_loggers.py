@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ppo_objectives.train import loggers
 from ppo_objectives import train as T
+from ppo_objectives.train import loggers
 
 SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress", "--no-plot"]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

@@ -14,9 +14,9 @@ import torch
 from tensordict import TensorDict
 
 from ppo_objectives import TokenPPOLoss
-from ppo_objectives.value import critic_free as CF
 from ppo_objectives import functional as F
 from ppo_objectives.testing import assert_mask_invariant, make_mask, response_batch, tiny_actor_critic
+from ppo_objectives.value import critic_free as CF
 
 GROUPS = [5, 5, 5, -2, -2, 40, 7, 7, 7, 7]  # sizes 3, 2, 1, 4; ids neither sorted nor contiguous
 

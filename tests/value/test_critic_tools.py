@@ -12,9 +12,9 @@ from tensordict import TensorDict
 from ppo_objectives import MaskedGAE
 from ppo_objectives import functional as F
 from ppo_objectives import testing as K
-from ppo_objectives.train.monitor import CollapseGuard
-from ppo_objectives.llm.readouts import make_actor_critic
 from ppo_objectives.llm.models import TinyLMConfig
+from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.train.monitor import CollapseGuard
 
 
 def _reference_per_row(td, gamma, lams, normalize):
@@ -132,9 +132,9 @@ def test_shared_forward_is_not_reused_after_a_backward_nor_across_grad_modes():
 def test_env_policy_writes_the_rollout_values_the_critic_computes():
     from torchrl.collectors import Collector
 
-    from ppo_objectives.train.digit import DigitTask
     from ppo_objectives.llm.env import TokenLMEnv
     from ppo_objectives.llm.layouts import trajectories_to_llm_batch
+    from ppo_objectives.train.digit import DigitTask
 
     torch.manual_seed(0)
     task = DigitTask("reverse", 2)

@@ -8,12 +8,12 @@ import torch
 from torchrl.collectors import Collector
 
 from ppo_objectives import GroupAdvantage
-from ppo_objectives.llm import ToLLMBatch
 from ppo_objectives import train as T
-from ppo_objectives.train.digit import DigitTask
+from ppo_objectives.llm import ToLLMBatch
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.models import TinyLMConfig
 from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.train.digit import DigitTask
 
 TASK = DigitTask("reverse", 3)
 
