@@ -85,6 +85,11 @@ class LMTask(Protocol):
     responses. ``answer_len`` is the default ``max_new_tokens``. The shipped tasks,
     :class:`~ppo_objectives.train.digit.DigitTask` and
     :class:`~ppo_objectives.train.text.TextTask`, follow it.
+
+    Example:
+        >>> from ppo_objectives.train.digit import DigitTask
+        >>> isinstance(DigitTask("reverse", 3), LMTask), isinstance(object(), LMTask)
+        (True, False)
     """
 
     prompt_len: int
@@ -353,7 +358,7 @@ class TokenLMEnv(EnvBase):
         self.set_seed(0 if seed is None else seed)
 
     @classmethod
-    def from_task(cls, task, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
+    def from_task(cls, task: LMTask, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
                   **kwargs) -> "TokenLMEnv":
         """An env for a task that follows :class:`LMTask`.
 

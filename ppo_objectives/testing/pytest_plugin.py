@@ -5,8 +5,7 @@ so any test file of a project that has ``ppo_objectives`` installed gets these
 fixtures without an import (``-p no:ppo_objectives`` turns them off). Every
 fixture name starts with ``ppo_``; every batch is seeded, so a test sees the
 same numbers on every run. The helpers behind them are in
-:mod:`ppo_objectives.testing`, which is imported on first use (loading the
-plugin costs nothing).
+:mod:`ppo_objectives.testing`, the package this plugin is part of.
 
 ============================== ===============================================================
 fixture                        value
@@ -31,54 +30,46 @@ from __future__ import annotations
 
 import pytest
 
-
-def _kit():
-    from ppo_objectives import testing
-
-    return testing
+from ppo_objectives import testing
 
 
 @pytest.fixture
 def ppo_testing():
     """The module ``ppo_objectives.testing``: factories, references, tiny networks and assertions."""
-    return _kit()
+    return testing
 
 
 @pytest.fixture
 def ppo_generator():
     """A CPU ``torch.Generator`` seeded with 0 (pass it as ``generator=`` to the factories)."""
-    return _kit().make_generator(seed=0)
+    return testing.make_generator(seed=0)
 
 
 @pytest.fixture
 def ppo_response_batch():
     """A response-layout batch ``[4]`` (``R = 6``, ``P = 3``, right padding) with values, reference log-probs and advantages."""
-    return _kit().response_batch(seed=0, with_advantage=True)
+    return testing.response_batch(seed=0, with_advantage=True)
 
 
 @pytest.fixture
 def ppo_full_sequence_batch():
     """A full-sequence-layout batch ``[3, 10]`` (holes, ``[B, T, 1]`` flags) with values and reference log-probs."""
-    return _kit().full_sequence_batch(seed=0, with_ref_log_prob=True)
+    return testing.full_sequence_batch(seed=0, with_ref_log_prob=True)
 
 
 @pytest.fixture
 def ppo_collector_batch():
     """TorchRL collector rows ``[3, 8]`` with done / terminated / truncated flags and next values, no mask."""
-    return _kit().collector_batch(seed=0)
+    return testing.collector_batch(seed=0)
 
 
 @pytest.fixture
 def ppo_tiny_actor_critic():
     """``(actor, critic)``: deterministic bigram TensorDict modules reading the response layout."""
-    return _kit().tiny_actor_critic()
+    return testing.tiny_actor_critic()
 
 
-# testing.MASK_KINDS but "all_valid" (without importing it): every kind with masked positions
-_KINDS = ("right", "left", "holes", "empty_rows", "mixed")
-
-
-@pytest.fixture(params=_KINDS)
+@pytest.fixture(params=[kind for kind in testing.MASK_KINDS if kind != "all_valid"])
 def ppo_mask_kind(request):
     """Each mask kind of ``ppo_objectives.testing.MASK_KINDS`` that has masked positions (all but ``"all_valid"``)."""
     return request.param
@@ -87,4 +78,4 @@ def ppo_mask_kind(request):
 @pytest.fixture
 def ppo_masked_response_batch(ppo_mask_kind):
     """A response-layout batch ``[4]`` with the mask kind of ``ppo_mask_kind`` (one test per kind)."""
-    return _kit().response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)
+    return testing.response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)

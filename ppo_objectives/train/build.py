@@ -44,7 +44,7 @@ _RANK_SEED_STRIDE = 1_000_003  # rank r rolls out with seed + r * stride (torch 
 
 def _make_tasks(cfg: TrainConfig) -> tuple:
     """``(task, held-out task or None)``: the toy ``DigitTask`` (no held-out set), or the text task of
-    ``--task`` with the tokenizer of ``--model`` (:func:`ppo_objectives.text_job.build_text_tasks`)."""
+    ``--task`` with the tokenizer of ``--model`` (:func:`ppo_objectives.train.text_job.build_text_tasks`)."""
     if cfg.recipe == "toy":
         return DigitTask(cfg.task, cfg.digits), None
     return text_job.build_text_tasks(cfg)

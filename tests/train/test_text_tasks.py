@@ -163,6 +163,12 @@ def test_a_bad_reward_value_names_the_prompt_and_the_completion(tok, value, erro
 # --------------------------------------------------------------------------- #
 
 
+def test_a_text_task_follows_the_env_task_protocol(tok):
+    from ppo_objectives.llm.env import LMTask
+
+    assert isinstance(_task(tok), LMTask)
+
+
 def test_prompts_are_the_chat_template_left_padded(tok):
     task = _task(tok)
     for i, ex in enumerate(task.examples):
