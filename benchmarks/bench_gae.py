@@ -15,7 +15,7 @@ Run from the repository root::
 Two tables:
 
 1. **Response rows** (the course setting: MiniMind's ``trainer/train_ppo.py``): ``gamma=1.0``,
-   ``lam=0.95``, float32, a float 0/1 mask with right padding and random lengths in
+   ``lmbda=0.95``, float32, a float 0/1 mask with right padding and random lengths in
    ``[1, R]``. Rows: ``minimind-loop`` (MiniMind's arithmetic transcribed: values zeroed at
    padding, a Python loop over time, masked whitening), ``loop`` (``masked_gae(...,
    backend="loop")``), ``torch`` (``masked_gae(...)``: validation, kernel, returns,
@@ -23,7 +23,7 @@ Two tables:
    ``triton-kernel`` on CUDA. Floor: read rewards, values, mask, write advantages, returns
    (5 x 4 bytes per token).
 2. **Collector rows** (TorchRL's layout, several trajectories per row): unmasked,
-   ``gamma=0.99``, ``lam=0.95``, ``done`` at random steps (one in 64, half of them
+   ``gamma=0.99``, ``lmbda=0.95``, ``done`` at random steps (one in 64, half of them
    terminations), next values. Rows: ``response-torch`` (``masked_gae`` on the same rows
    without flags, an all-True mask: the baseline), ``torch`` / ``loop`` / ``triton``
    (``masked_gae`` with ``done`` / ``terminated`` / ``next_values`` and the all-True mask),
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh
 from ppo_objectives._kernels import gae as _gae_fast
 from ppo_objectives.functional import masked_gae
 
-COURSE = (1.0, 0.95)  # MiniMind's gamma, lam
+COURSE = (1.0, 0.95)  # MiniMind's gamma, lmbda
 COLLECTOR = (0.99, 0.95)
 DONE_RATE = 1 / 64
 GOALS_VS_MINIMIND = {(64, 1024): 20.0, (16, 4096): 50.0}
@@ -101,7 +101,7 @@ def copy_bandwidth(device) -> float:
     return 2 * nbytes / t
 
 
-def minimind_gae(token_rewards, values, mask, gamma, lam):
+def minimind_gae(token_rewards, values, mask, gamma, lmbda):
     """MiniMind's PPO-stage GAE, transcribed: values zeroed at padding, a loop over time, masked whitening."""
     old_values = values * mask
     length = values.size(1)
@@ -110,7 +110,7 @@ def minimind_gae(token_rewards, values, mask, gamma, lam):
     for t in reversed(range(length)):
         next_values = old_values[:, t + 1] if t < length - 1 else 0.0
         delta = token_rewards[:, t] + gamma * next_values - old_values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
+        lastgaelam = delta + gamma * lmbda * lastgaelam
         reversed_advantages.append(lastgaelam)
     advantages = torch.stack(reversed_advantages[::-1], dim=1)
     returns = advantages + old_values
@@ -141,17 +141,17 @@ def collector_rows(b, r, device):
 def course_implementations(b, r, device):
     rewards, values, mask = response_rows(b, r, device)
     bool_mask = mask > 0.5
-    g, lam = COURSE
+    g, lmbda = COURSE
     fns = {
-        "minimind-loop": lambda: minimind_gae(rewards, values, mask, g, lam),
-        "loop": lambda: masked_gae(rewards, values, mask, g, lam, backend="loop"),
-        "torch": lambda: masked_gae(rewards, values, mask, g, lam, backend="torch"),
-        "torch-kernel": lambda: _gae_fast.gae_advantages_torch(rewards, values, bool_mask, g, lam, None),
+        "minimind-loop": lambda: minimind_gae(rewards, values, mask, g, lmbda),
+        "loop": lambda: masked_gae(rewards, values, mask, g, lmbda, backend="loop"),
+        "torch": lambda: masked_gae(rewards, values, mask, g, lmbda, backend="torch"),
+        "torch-kernel": lambda: _gae_fast.gae_advantages_torch(rewards, values, bool_mask, g, lmbda, None),
     }
     if device.type == "cuda" and _gae_fast.triton_available():
-        fns["triton"] = lambda: masked_gae(rewards, values, mask, g, lam, backend="triton")
-        fns["triton-kernel"] = lambda: _gae_fast.gae_advantages_triton(rewards, values, bool_mask, g, lam, None)
-    ref, _ = minimind_gae(rewards, values, mask, g, lam)
+        fns["triton"] = lambda: masked_gae(rewards, values, mask, g, lmbda, backend="triton")
+        fns["triton-kernel"] = lambda: _gae_fast.gae_advantages_triton(rewards, values, bool_mask, g, lmbda, None)
+    ref, _ = minimind_gae(rewards, values, mask, g, lmbda)
     scale = float(ref.abs().max())
     for name in ("loop", "torch", "triton"):
         if name in fns:
@@ -163,22 +163,22 @@ def course_implementations(b, r, device):
 def collector_implementations(b, r, device, include_torchrl):
     rewards, values, next_values, done, terminated = collector_rows(b, r, device)
     ones = torch.ones(b, r, dtype=torch.bool, device=device)
-    g, lam = COLLECTOR
+    g, lmbda = COLLECTOR
     flags = dict(done=done, terminated=terminated, next_values=next_values)
     fns = {
-        "response-torch": lambda: masked_gae(rewards, values, ones, g, lam, backend="torch"),
-        "torch": lambda: masked_gae(rewards, values, ones, g, lam, backend="torch", **flags),
-        "torch-no-mask": lambda: masked_gae(rewards, values, None, g, lam, backend="torch", **flags),
-        "loop": lambda: masked_gae(rewards, values, ones, g, lam, backend="loop", **flags),
+        "response-torch": lambda: masked_gae(rewards, values, ones, g, lmbda, backend="torch"),
+        "torch": lambda: masked_gae(rewards, values, ones, g, lmbda, backend="torch", **flags),
+        "torch-no-mask": lambda: masked_gae(rewards, values, None, g, lmbda, backend="torch", **flags),
+        "loop": lambda: masked_gae(rewards, values, ones, g, lmbda, backend="loop", **flags),
     }
     if device.type == "cuda" and _gae_fast.triton_available():
-        fns["response-triton"] = lambda: masked_gae(rewards, values, ones, g, lam, backend="triton")
-        fns["triton"] = lambda: masked_gae(rewards, values, ones, g, lam, backend="triton", **flags)
-    ref, _ = masked_gae(rewards, values, ones, g, lam, backend="loop", normalize=False, **flags)
+        fns["response-triton"] = lambda: masked_gae(rewards, values, ones, g, lmbda, backend="triton")
+        fns["triton"] = lambda: masked_gae(rewards, values, ones, g, lmbda, backend="triton", **flags)
+    ref, _ = masked_gae(rewards, values, ones, g, lmbda, backend="loop", average_gae=False, **flags)
     scale = float(ref.abs().max())
     for name in ("torch", "triton"):
         if name in fns:
-            adv, _ = masked_gae(rewards, values, ones, g, lam, backend=name, normalize=False, **flags)
+            adv, _ = masked_gae(rewards, values, ones, g, lmbda, backend=name, average_gae=False, **flags)
             err = float((adv - ref).abs().max()) / scale
             assert err < 1e-5, f"collector {name} differs from the loop by {err:.2e} (relative to max |A|)"
     if include_torchrl:
@@ -189,8 +189,8 @@ def collector_implementations(b, r, device, include_torchrl):
 
         sv, nsv, rw = values.unsqueeze(-1), next_values.unsqueeze(-1), rewards.unsqueeze(-1)
         d, t = done.unsqueeze(-1), terminated.unsqueeze(-1)
-        fns["torchrl-vec"] = lambda: vec_generalized_advantage_estimate(g, lam, sv, nsv, rw, d, t)
-        fns["torchrl-loop"] = lambda: generalized_advantage_estimate(g, lam, sv, nsv, rw, d, t)
+        fns["torchrl-vec"] = lambda: vec_generalized_advantage_estimate(g, lmbda, sv, nsv, rw, d, t)
+        fns["torchrl-loop"] = lambda: generalized_advantage_estimate(g, lmbda, sv, nsv, rw, d, t)
         err = float((fns["torchrl-vec"]()[0].squeeze(-1) - ref).abs().max()) / scale
         assert err < 1e-4, f"torchrl-vec differs from the collector loop by {err:.2e}"
     return fns, b * r * (4 + 4 + 4 + 1 + 1 + 4 + 4)
@@ -238,7 +238,7 @@ def main(argv=None):
             fns = {k: v for k, v in fns.items() if k not in ("loop",)}
         times = measure(fns, device, min_time, repeats)
         floor = nbytes / bandwidth
-        print_table(f"Response rows (gamma={COURSE[0]}, lam={COURSE[1]}, float 0/1 mask)", b, r, times,
+        print_table(f"Response rows (gamma={COURSE[0]}, lmbda={COURSE[1]}, float 0/1 mask)", b, r, times,
                     "minimind-loop", floor, bandwidth)  # fmt: skip
         best = min((n for n in times if n in ("torch", "triton")), key=times.get)
         speedup = times["minimind-loop"] / times[best]
@@ -258,7 +258,7 @@ def main(argv=None):
             fns = {k: v for k, v in fns.items() if k != "loop"}
         times = measure(fns, device, min_time, repeats)
         floor = nbytes / bandwidth
-        print_table(f"Collector rows (gamma={COLLECTOR[0]}, lam={COLLECTOR[1]}, done 1 in {1 / DONE_RATE:.0f})", b, r,
+        print_table(f"Collector rows (gamma={COLLECTOR[0]}, lmbda={COLLECTOR[1]}, done 1 in {1 / DONE_RATE:.0f})", b, r,
                     times, "response-torch", floor, bandwidth)  # fmt: skip
         for name, base in (("torch", "response-torch"), ("torch-no-mask", "response-torch"),
                            ("triton", "response-triton")):  # fmt: skip

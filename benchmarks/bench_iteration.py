@@ -81,7 +81,7 @@ class PlainPPO:
             ref_logp, _ = _logp(self.ref, ids, attn, P)
             values = self.values(ids, attn, P) * mask
         m = mask.float()
-        rewards = -cfg.kl_coef * (old_logp - ref_logp) * m
+        rewards = -cfg.kl_reward_coeff * (old_logp - ref_logp) * m
         last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask  # last valid token
         rewards = rewards + score[:, None] * last
         adv = torch.zeros_like(rewards)  # MiniMind's GAE: reversed loop, next value 0 after the end
@@ -89,7 +89,7 @@ class PlainPPO:
         for t in reversed(range(M)):
             next_v = values[:, t + 1] if t + 1 < M else torch.zeros(N, device=self.device)
             delta = rewards[:, t] + cfg.gamma * next_v - values[:, t]
-            lastgaelam = delta + cfg.gamma * cfg.lam * lastgaelam
+            lastgaelam = delta + cfg.gamma * cfg.lmbda * lastgaelam
             adv[:, t] = lastgaelam
         adv = adv * m
         returns = adv + values
@@ -118,7 +118,7 @@ class PlainPPO:
                 v_clip = v_old + (v - v_old).clamp(-cfg.clip_value, cfg.clip_value)
                 vf = torch.max((v - b["returns"][i]) ** 2, (v_clip - b["returns"][i]) ** 2)
                 value_loss = 0.5 * (vf * m).sum() / n
-                loss = policy_loss + cfg.critic_coef * value_loss
+                loss = policy_loss + cfg.critic_coeff * value_loss
                 self.a_opt.zero_grad(set_to_none=True)
                 self.c_opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -147,10 +147,10 @@ def measure(num_envs, preset, device, iterations, seed=0):
     # --- torchrl side
     ac = make_actor_critic(copy.deepcopy(base), P, entropy_grad=False)
     ref = frozen_reference(ac.actor_model, P)
-    kl = KLPenaltyTransform(ref, coeff=FixedKLController(cfg.kl_coef), estimator="k1")
-    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, average_gae=True, device=device)
+    kl = KLPenaltyTransform(ref, coeff=FixedKLController(cfg.kl_reward_coeff), estimator="k1")
+    gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, average_gae=True, device=device)
     loss = TokenPPOLoss(ac.actor, ac.critic, clip_epsilon=cfg.clip_epsilon, clip_value=cfg.clip_value,
-                        critic_coeff=cfg.critic_coef, kl_coeff=0.0, entropy_bonus=True, functional=False, device=device)
+                        critic_coeff=cfg.critic_coeff, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False, device=device)
     opts = (torch.optim.AdamW(ac.actor_parameters(), lr=cfg.lr, weight_decay=0.0),
             torch.optim.AdamW(ac.critic_parameters(), lr=cfg.critic_lr, weight_decay=0.0))
     collector = T.make_collector(cfg, task, ac.policy, env)

@@ -58,7 +58,7 @@ def calls() -> dict:
     def batch(**kw):
         return testing.response_batch(batch_size=6, response_len=7, mask="mixed", seed=0, **kw)
 
-    loss = TokenPPOLoss(actor, critic, kl_coeff=0.1)
+    loss = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.1)
     return {
         "TokenPPOLoss.forward (advantages present)": lambda: loss(batch(with_advantage=True)),
         "TokenPPOLoss.forward (runs its MaskedGAE)": lambda: loss(batch()),

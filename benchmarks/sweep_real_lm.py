@@ -9,7 +9,7 @@ iteration with its split, and the last iterations' reward and KL to the pretrain
 One seed per variant: it shows large effects and says nothing about small ones.
 
     python benchmarks/sweep_real_lm.py                                 # every variant below, 5 minutes each
-    python benchmarks/sweep_real_lm.py --variants default "--kl-coef 0" "--no-whiten "   # a flag alone: end it
+    python benchmarks/sweep_real_lm.py --variants default "--kl-reward-coeff 0" "--no-average-gae "   # a flag alone: end it
                                                                                         # with a space
 """
 
@@ -32,10 +32,10 @@ VARIANTS = (
     "default",
     "--lr 1e-5",
     "--lr 4e-5",
-    "--kl-coef 0",
-    "--kl-coef 0.05",
+    "--kl-reward-coeff 0",
+    "--kl-reward-coeff 0.05",
     "--critic-warmup 2",
-    "--lam 1.0 --policy-lam 0.95",
+    "--lmbda 1.0 --policy-lmbda 0.95",
     "--length-alpha 0.5",
     "--minibatches 1",
     "--minibatches 4",

@@ -12,13 +12,15 @@ each other. Every error names the argument, what was expected and the fix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Iterator
+import warnings
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = (
+AGGREGATIONS = (
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm",
 )  # fmt: skip
 
@@ -163,9 +165,49 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def check_mode(loss_agg_mode: str) -> None:
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+def check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
+
+
+def check_clip_epsilon(clip_epsilon: object) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` of a ``clip_epsilon`` given as one float (symmetric) or a pair (TorchRL's form)."""
+    if isinstance(clip_epsilon, (tuple, list)):
+        if len(clip_epsilon) != 2:
+            raise ValueError(
+                f"clip_epsilon={clip_epsilon!r}: give one float (symmetric) or a pair (eps_low, eps_high)"
+            )
+        low, high = clip_epsilon
+        return check_positive("clip_epsilon (low)", low), check_positive("clip_epsilon (high)", high)
+    eps = check_positive("clip_epsilon", clip_epsilon)
+    return eps, eps
+
+
+def renamed_arguments(**renames: str) -> Callable:
+    """Keep keyword arguments that were renamed working, with a ``DeprecationWarning`` naming the new one.
+
+    ``@renamed_arguments(old="new")`` maps ``fn(old=x)`` to ``fn(new=x)``; giving both is a ``TypeError``.
+    The wrapped function's signature (``inspect.signature``) is the new one.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        owner = fn.__qualname__.replace(".__init__", "")
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            for old in renames.keys() & kwargs.keys():
+                new = renames[old]
+                if new in kwargs:
+                    raise TypeError(f"{owner}() got {old}= and {new}=; {old} is the earlier name of {new}: give {new}")
+                warnings.warn(f"{owner}({old}=...) is deprecated: the argument is now {new}=", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        call.renamed_arguments = dict(renames)
+        return call
+
+    return wrap
 
 
 def check_int(name: str, x: object, *, low: int = 1, high: int | None = None, where: str = "", what: str = "") -> int:

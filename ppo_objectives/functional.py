@@ -3,8 +3,11 @@
 Every number the TorchRL modules of this package compute is computed here, so
 the whole algorithm can be read in one file and tested without TensorDicts.
 The five functions marked *MiniMind* follow the PPO stage of MiniMind's
-``trainer/train_ppo.py`` name for name and number for number; the rest are
-what users of verl / OpenRLHF / TRL expect beyond it.
+``trainer/train_ppo.py`` number for number; the rest are what users of verl /
+OpenRLHF / TRL expect beyond it. Arguments carry TorchRL's names, the same from
+the CLI to the arithmetic (``docs/design.md``, "Names"): ``log_prob`` (the policy
+being optimised), ``sample_log_prob`` (the policy that sampled), ``ref_log_prob``,
+``rollout_log_prob``, ``lmbda``, ``aggregation``, ``clip_epsilon``, ``clip_value``.
 
 Shape letters (used in every docstring below):
 
@@ -51,7 +54,7 @@ __all__ = [
     "kl_estimate",
     "kl_penalized_rewards",
     "last_valid_index",
-    "length_adaptive_lam",
+    "length_adaptive_lmbda",
     "loss_normalizer",
     "masked_gae",
     "masked_gae_reference",
@@ -70,7 +73,7 @@ __all__ = [
     "value_checks",
 ]
 
-LOSS_AGG_MODES = _validate.LOSS_AGG_MODES
+AGGREGATIONS = _validate.AGGREGATIONS
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 
 
@@ -616,7 +619,7 @@ def resolve_done_flags(done, terminated, truncated):
     return done, terminated, truncated
 
 
-def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=None, terminated=None, next_values=None):
+def _gae_inputs(token_rewards, values, mask, gamma, lmbda, bootstrap_value, done=None, terminated=None, next_values=None):
     """Validate the GAE arguments; return flat ``[N, R]`` compute-dtype tensors.
 
     With trajectory ends (``done`` / ``terminated`` / ``next_values``) the row bootstrap is
@@ -634,8 +637,8 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
         for name, x in (("done", done), ("terminated", terminated))
     }
     _validate.check_unit_interval("gamma", gamma)
-    if not _is_row_lam(lam):
-        _validate.check_unit_interval("lam", lam)
+    if not _is_row_lmbda(lmbda):
+        _validate.check_unit_interval("lmbda", lmbda)
     _validate.check_same_device(
         token_rewards=token_rewards, values=values, mask=mask, bootstrap_value=bootstrap_value,
         done=done, terminated=terminated, next_values=next_values,
@@ -663,10 +666,10 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
     if isinstance(gamma, Tensor):
         gamma = gamma.to(cd).reshape(())
-    if _is_row_lam(lam):
-        lam = _check_row_lam(lam, batch_shape).to(cd).reshape(-1)  # [N]: one lambda per row
-    elif isinstance(lam, Tensor):
-        lam = lam.to(cd).reshape(())
+    if _is_row_lmbda(lmbda):
+        lmbda = _check_row_lmbda(lmbda, batch_shape).to(cd).reshape(-1)  # [N]: one lambda per row
+    elif isinstance(lmbda, Tensor):
+        lmbda = lmbda.to(cd).reshape(())
     m = None if m is None else _rows(m)
     ends = end_values = None
     if flags["done"] is not None or flags["terminated"] is not None or next_values is not None:
@@ -674,7 +677,7 @@ def _gae_inputs(token_rewards, values, mask, gamma, lam, bootstrap_value, done=N
         nv = None if next_values is None else _rows(next_values.to(cd))
         ends, end_values = _segment_ends(m, r.shape, rows(flags["done"]), rows(flags["terminated"]), nv, boot)
         boot = None
-    return r, v, m, gamma, lam, boot, ends, end_values, cd
+    return r, v, m, gamma, lmbda, boot, ends, end_values, cd
 
 
 def _segment_ends(m, shape, done, terminated, next_values, boot) -> tuple[Tensor, Tensor]:
@@ -700,42 +703,42 @@ def _segment_ends(m, shape, done, terminated, next_values, boot) -> tuple[Tensor
     return (ended if m is None else ended & m), end_values
 
 
-def _is_row_lam(lam) -> bool:
-    return isinstance(lam, Tensor) and lam.dim() > 0
+def _is_row_lmbda(lmbda) -> bool:
+    return isinstance(lmbda, Tensor) and lmbda.dim() > 0
 
 
-def _check_row_lam(lam: Tensor, batch_shape: torch.Size) -> Tensor:
-    """A per-row ``lam`` ``[*B]``: floating, one value per row, each in [0, 1] (one host read)."""
-    if not lam.is_floating_point() or lam.shape != batch_shape:
+def _check_row_lmbda(lmbda: Tensor, batch_shape: torch.Size) -> Tensor:
+    """A per-row ``lmbda`` ``[*B]``: floating, one value per row, each in [0, 1] (one host read)."""
+    if not lmbda.is_floating_point() or lmbda.shape != batch_shape:
         raise ValueError(
-            f"lam has shape {tuple(lam.shape)} and dtype {lam.dtype}; a per-row lambda must be a floating tensor of "
+            f"lmbda has shape {tuple(lmbda.shape)} and dtype {lmbda.dtype}; a per-row lambda must be a floating tensor of "
             f"shape [*B] = {tuple(batch_shape)} (one value per row), or pass one float for every row"
         )
-    if _validate.checking_values() and lam.numel():
-        lo, hi = torch.stack([lam.min(), lam.max()]).tolist()
+    if _validate.checking_values() and lmbda.numel():
+        lo, hi = torch.stack([lmbda.min(), lmbda.max()]).tolist()
         if not (0.0 <= lo and hi <= 1.0):
-            raise ValueError(f"lam holds {lo if lo < 0 else hi}, outside [0, 1]: every row's GAE lambda must be in "
-                             f"[0, 1] (length_adaptive_lam clamps its values)")
-    return lam
+            raise ValueError(f"lmbda holds {lo if lo < 0 else hi}, outside [0, 1]: every row's GAE lambda must be in "
+                             f"[0, 1] (length_adaptive_lmbda clamps its values)")
+    return lmbda
 
 
-def _per_row_lam(kernel, r, v, m, gamma, lam: Tensor, boot, ends, end_values) -> Tensor:
-    """Raw advantages with one ``lam`` per row (``lam [N]``): the kernel once per distinct value, on its rows
+def _per_row_lmbda(kernel, r, v, m, gamma, lmbda: Tensor, boot, ends, end_values) -> Tensor:
+    """Raw advantages with one ``lmbda`` per row (``lmbda [N]``): the kernel once per distinct value, on its rows
     (one host read of the distinct values)."""
     adv = torch.zeros_like(r)
-    for value in torch.unique(lam).tolist():
-        rows = (lam == value).nonzero().squeeze(-1)
+    for value in torch.unique(lmbda).tolist():
+        rows = (lmbda == value).nonzero().squeeze(-1)
         sub = lambda x: None if x is None else x[rows]  # noqa: E731
         adv[rows] = kernel(r[rows], v[rows], sub(m), gamma, value, sub(boot), sub(ends), sub(end_values))
     return adv
 
 
-def length_adaptive_lam(mask: Tensor, alpha: float) -> Tensor:
-    """VAPO's length-adaptive GAE lambda of each row, ``lam = 1 - 1 / (alpha * l)``, clamped to [0, 1].
+def length_adaptive_lmbda(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda of each row, ``lmbda = 1 - 1 / (alpha * l)``, clamped to [0, 1].
 
     Yue et al. 2025, "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning
     Tasks" (arXiv:2504.05118): with ``l`` the row's number of valid tokens, the sum of the
-    lambda-weights ``1 / (1 - lam) = alpha * l`` grows with the response, so a long response's
+    lambda-weights ``1 / (1 - lmbda) = alpha * l`` grows with the response, so a long response's
     advantage keeps the reward's signal over its whole length while a short one still has a
     low-variance bootstrap from the critic. A row with no valid token gets 0.
 
@@ -745,10 +748,10 @@ def length_adaptive_lam(mask: Tensor, alpha: float) -> Tensor:
             response needs a larger one).
 
     Returns:
-        ``[*B]`` float32: pass it as ``lam=`` to :func:`masked_gae`.
+        ``[*B]`` float32: pass it as ``lmbda=`` to :func:`masked_gae`.
 
     Example:
-        >>> length_adaptive_lam(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]), alpha=0.5)
+        >>> length_adaptive_lmbda(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]), alpha=0.5)
         tensor([0.5000, 0.0000, 0.0000])
     """
     _validate.check_positive("alpha", alpha)
@@ -759,25 +762,26 @@ def length_adaptive_lam(mask: Tensor, alpha: float) -> Tensor:
     return torch.where(n > 0, 1.0 - 1.0 / (alpha * n.clamp(min=1.0)), 0.0).clamp(0.0, 1.0)
 
 
-def _gae_finish(adv_raw, v, m, normalize, shape, out_dtype, process_group=None):
+def _gae_finish(adv_raw, v, m, average_gae, shape, out_dtype, process_group=None):
     """Returns = raw advantages + values; whiten the advantages; zero masked positions."""
     zero = torch.zeros((), dtype=adv_raw.dtype, device=adv_raw.device)
     returns = adv_raw + v if m is None else torch.where(m, adv_raw + v, zero)
     adv = adv_raw
-    if normalize:  # masked_whiten(adv_raw, m), knowing that every kernel writes exact zeros off the mask
+    if average_gae:  # masked_whiten(adv_raw, m), knowing that every kernel writes exact zeros off the mask
         _, var, centred = _masked_moments(adv_raw, m, False, process_group, zero_off_mask=True)
         adv = centred * torch.rsqrt(var + 1e-8)
     return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
 
 
+@_validate.renamed_arguments(lam="lmbda", normalize="average_gae")
 def masked_gae_reference(
     token_rewards: Tensor,
     values: Tensor,
     mask: Tensor,
     gamma: float,
-    lam: float,
+    lmbda: float,
     *,
-    normalize: bool = True,
+    average_gae: bool = True,
     bootstrap_value: Tensor | None = None,
     done: Tensor | None = None,
     terminated: Tensor | None = None,
@@ -795,7 +799,7 @@ def masked_gae_reference(
                 if end[t]:                      # trajectory ends here (collector rows)
                     next_v, next_a = end_value[t], 0
                 delta  = r[t] + gamma * next_v - v[t]
-                A[t]   = delta + gamma * lam * next_a
+                A[t]   = delta + gamma * lmbda * next_a
                 next_v, next_a = v[t], A[t]
 
     ``end`` and ``end_value`` come from ``done`` / ``terminated`` / ``next_values`` as
@@ -806,18 +810,18 @@ def masked_gae_reference(
         >>> r = torch.tensor([[0.0, 0.0, 1.0]])
         >>> v = torch.zeros(1, 3)
         >>> m = torch.ones(1, 3, dtype=torch.bool)
-        >>> masked_gae_reference(r, v, m, 1.0, 0.5, normalize=False)[0]  # 1 * 0.5^k back from the end
+        >>> masked_gae_reference(r, v, m, 1.0, 0.5, average_gae=False)[0]  # 1 * 0.5^k back from the end
         tensor([[0.2500, 0.5000, 1.0000]])
     """
     out_dtype = values.dtype if isinstance(values, Tensor) else None
-    r, v, m, gamma, lam, boot, ends, end_values, _ = _gae_inputs(
-        token_rewards, values, mask, gamma, lam, bootstrap_value, done, terminated, next_values
+    r, v, m, gamma, lmbda, boot, ends, end_values, _ = _gae_inputs(
+        token_rewards, values, mask, gamma, lmbda, bootstrap_value, done, terminated, next_values
     )
-    adv = _gae_loop(r, v, m, gamma, lam, boot, ends, end_values)
-    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
+    adv = _gae_loop(r, v, m, gamma, lmbda, boot, ends, end_values)
+    return _gae_finish(adv, v, m, average_gae, token_rewards.shape, out_dtype, process_group)
 
 
-def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None, ends=None, end_values=None) -> Tensor:
+def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lmbda, boot: Tensor | None, ends=None, end_values=None) -> Tensor:
     """Raw advantages ``[N, R]`` of validated rows: the backward loop over valid tokens."""
     N, R = r.shape
     next_v = r.new_zeros(N) if boot is None else boot
@@ -834,21 +838,22 @@ def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lam, boot: Tensor | None, 
             next_a = torch.where(end, 0.0, next_a)
             seen = seen | valid
         delta = r[:, t] + gamma * next_v - v[:, t]
-        a = delta + gamma * lam * next_a
+        a = delta + gamma * lmbda * next_a
         adv[:, t] = torch.where(valid, a, 0.0)
         next_v = torch.where(valid, v[:, t], next_v)
         next_a = torch.where(valid, a, next_a)
     return adv
 
 
+@_validate.renamed_arguments(lam="lmbda", normalize="average_gae")
 def masked_gae(
     token_rewards: Tensor,
     values: Tensor,
     mask: Tensor,
     gamma: float,
-    lam: float,
+    lmbda: float,
     *,
-    normalize: bool = True,
+    average_gae: bool = True,
     bootstrap_value: Tensor | None = None,
     done: Tensor | None = None,
     terminated: Tensor | None = None,
@@ -862,7 +867,7 @@ def masked_gae(
     Generalized Advantage Estimation" (arXiv:1506.02438)::
 
         delta_t = r_t + gamma * V_{t+1} - V_t
-        A_t     = delta_t + gamma * lam * A_{t+1}
+        A_t     = delta_t + gamma * lmbda * A_{t+1}
         returns = A (raw, before whitening) + V
 
     Our masked semantics: the recursion runs over the valid tokens of a row
@@ -870,7 +875,7 @@ def masked_gae(
     tool or user tokens inside a response) are skipped, and rewards or values
     there are never read (garbage and NaN are fine). After the last valid
     token the next value is 0 (terminal), or ``bootstrap_value[b]`` for a
-    row cut short (truncated). Then, with ``normalize=True``, the advantages
+    row cut short (truncated). Then, with ``average_gae=True``, the advantages
     are whitened over the valid tokens of the whole batch with the biased
     variance, ``(A - mean) * rsqrt(var + 1e-8)`` (:func:`masked_whiten`).
     Outputs are exactly 0 at masked positions. With right padding and zero
@@ -898,10 +903,10 @@ def masked_gae(
             every step takes part (TorchRL collector rows without a mask; the
             same numbers as an all-True mask, without packing the rows).
         gamma: discount in [0, 1] (MiniMind: 1.0).
-        lam: GAE lambda in [0, 1] (MiniMind: 0.95), or a ``[*B]`` tensor giving each row
-            its own (:func:`length_adaptive_lam`; the fast backends then run once per distinct
+        lmbda: GAE lambda in [0, 1] (MiniMind: 0.95), or a ``[*B]`` tensor giving each row
+            its own (:func:`length_adaptive_lmbda`; the fast backends then run once per distinct
             value, after one host read of the values).
-        normalize: whiten the advantages (returns always use the raw ones).
+        average_gae: whiten the advantages (returns always use the raw ones).
         bootstrap_value: ``[*B]`` value after the last valid token of each
             row (0 for rows that terminated); ``None`` means all terminated.
             Exclusive with ``next_values``.
@@ -925,7 +930,7 @@ def masked_gae(
         >>> r = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
         >>> v = torch.tensor([[0.5, 0.5, 0.5, float("nan")]])  # last token is padding
         >>> m = torch.tensor([[1, 1, 1, 0]])
-        >>> adv, ret = masked_gae(r, v, m, gamma=1.0, lam=1.0, normalize=False)
+        >>> adv, ret = masked_gae(r, v, m, gamma=1.0, lmbda=1.0, average_gae=False)
         >>> adv                                      # reward-to-go minus value
         tensor([[0.5000, 0.5000, 0.5000, 0.0000]])
         >>> ret
@@ -937,7 +942,7 @@ def masked_gae(
         >>> r = torch.ones(1, 4)
         >>> done = torch.tensor([[False, True, False, False]])
         >>> nv = torch.tensor([[0.0, 0.0, 0.0, 2.0]])
-        >>> masked_gae(r, torch.zeros(1, 4), torch.ones(1, 4), 1.0, 1.0, normalize=False,
+        >>> masked_gae(r, torch.zeros(1, 4), torch.ones(1, 4), 1.0, 1.0, average_gae=False,
         ...            done=done, next_values=nv)[0]
         tensor([[2., 1., 4., 3.]])
     """
@@ -945,7 +950,7 @@ def masked_gae(
         raise ValueError(f"backend={backend!r} is not one of {_gae_fast.BACKENDS}")
     out_dtype = values.dtype if isinstance(values, Tensor) else None
     r, v, m, gamma_, lam_, boot, ends, end_values, _ = _gae_inputs(
-        token_rewards, values, mask, gamma, lam, bootstrap_value, done, terminated, next_values
+        token_rewards, values, mask, gamma, lmbda, bootstrap_value, done, terminated, next_values
     )
     chosen = _gae_fast.select_backend(r.device, backend)
     if chosen == "loop":
@@ -954,11 +959,11 @@ def masked_gae(
         kernel = _gae_fast.gae_advantages_triton if chosen == "triton" else _gae_fast.gae_advantages_torch
     if r.numel() == 0:
         adv = torch.zeros_like(r)
-    elif _is_row_lam(lam_) and chosen != "loop":  # the fast kernels take one lambda: group the rows by theirs
-        adv = _per_row_lam(kernel, r, v, m, gamma_, lam_, boot, ends, end_values)
+    elif _is_row_lmbda(lam_) and chosen != "loop":  # the fast kernels take one lambda: group the rows by theirs
+        adv = _per_row_lmbda(kernel, r, v, m, gamma_, lam_, boot, ends, end_values)
     else:
         adv = kernel(r, v, m, gamma_, lam_, boot, ends, end_values)
-    return _gae_finish(adv, v, m, normalize, token_rewards.shape, out_dtype, process_group)
+    return _gae_finish(adv, v, m, average_gae, token_rewards.shape, out_dtype, process_group)
 
 
 # --------------------------------------------------------------------------- #
@@ -966,7 +971,8 @@ def masked_gae(
 # --------------------------------------------------------------------------- #
 
 
-def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=None) -> Tensor:
+@_validate.renamed_arguments(mode="aggregation")
+def loss_normalizer(mask: Tensor, aggregation: str = "token-mean", *, process_group=None) -> Tensor:
     """The denominator :func:`aggregate_loss` divides by, optionally global across ranks.
 
     ``token-mean``: the number of valid tokens; ``seq-mean-token-mean`` and
@@ -992,7 +998,7 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
 
     Args:
         mask: ``[*B, R]`` bool or {0, 1}.
-        mode: an aggregation mode of :func:`aggregate_loss`.
+        aggregation: an aggregation mode of :func:`aggregate_loss`.
         process_group: a ``torch.distributed`` group, or ``None`` for this process alone.
 
     Returns:
@@ -1004,23 +1010,23 @@ def loss_normalizer(mask: Tensor, mode: str = "token-mean", *, process_group=Non
         >>> loss_normalizer(m), loss_normalizer(m, "seq-mean-token-sum"), loss_normalizer(m, "seq-mean-token-sum-norm")
         (tensor(2.), tensor(1.), tensor(6.))
     """
-    _validate.check_mode(mode)
+    _validate.check_aggregation(aggregation)
     m = _validate.check_tensor("mask", mask)
     if m.dim() < 1:
         raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
-    return _normalizer(_validate.check_mask(mask, mask.shape, "mask"), mode, process_group)
+    return _normalizer(_validate.check_mask(mask, mask.shape, "mask"), aggregation, process_group)
 
 
-def _normalizer(m: Tensor, mode: str, process_group=None) -> Tensor:
+def _normalizer(m: Tensor, aggregation: str, process_group=None) -> Tensor:
     """:func:`loss_normalizer` of a checked bool mask and mode."""
     R = m.shape[-1]
     fm = _rows(m)
-    if mode in ("token-sum", "token-sum-norm"):  # a constant: the same on every rank and micro-batch
-        count = torch.tensor(1.0 if mode == "token-sum" else float(R), device=m.device)
+    if aggregation in ("token-sum", "token-sum-norm"):  # a constant: the same on every rank and micro-batch
+        count = torch.tensor(1.0 if aggregation == "token-sum" else float(R), device=m.device)
         return count.clamp(min=1) / _world_size(process_group)
-    if mode == "token-mean":
+    if aggregation == "token-mean":
         count = fm.sum()
-    elif mode == "seq-mean-token-sum-norm":
+    elif aggregation == "seq-mean-token-sum-norm":
         count = torch.tensor(fm.shape[0] * R, device=m.device)
     else:
         count = fm.any(-1).sum()
@@ -1028,8 +1034,9 @@ def _normalizer(m: Tensor, mode: str, process_group=None) -> Tensor:
     return count.clamp(min=1) / _world_size(process_group)
 
 
+@_validate.renamed_arguments(mode="aggregation")
 def aggregate_loss(
-    per_token: Tensor, mask: Tensor, mode: str = "token-mean", *, normalizer: Tensor | float | None = None
+    per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", *, normalizer: Tensor | float | None = None
 ) -> Tensor:
     """Reduce a per-token loss ``[*B, R]`` to a scalar over the valid tokens.
 
@@ -1063,7 +1070,7 @@ def aggregate_loss(
     Args:
         per_token: ``[*B, R]`` float per-token loss.
         mask: ``[*B, R]`` bool or {0, 1}.
-        mode: one of the six modes above.
+        aggregation: one of the six modes above.
         normalizer: optional positive denominator (0-d tensor or float).
 
     Example:
@@ -1084,17 +1091,17 @@ def aggregate_loss(
         tensor(1.)
     """
     _validate.check_float("per_token", per_token)
-    _validate.check_mode(mode)
+    _validate.check_aggregation(aggregation)
     if per_token.dim() < 1:
         raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
-    return _aggregate(per_token, _validate.check_mask(mask, per_token.shape, "per_token"), mode, normalizer)
+    return _aggregate(per_token, _validate.check_mask(mask, per_token.shape, "per_token"), aggregation, normalizer)
 
 
-def _aggregate(per_token: Tensor, m: Tensor, mode: str, normalizer: Tensor | float | None) -> Tensor:
+def _aggregate(per_token: Tensor, m: Tensor, aggregation: str, normalizer: Tensor | float | None) -> Tensor:
     """:func:`aggregate_loss` of a checked per-token loss, bool mask and mode (``normalizer`` is checked here:
     the public losses pass theirs through)."""
     if normalizer is None:
-        normalizer = _normalizer(m, mode)
+        normalizer = _normalizer(m, aggregation)
     elif isinstance(normalizer, Tensor):
         if normalizer.numel() != 1 or not normalizer.is_floating_point():
             raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
@@ -1104,11 +1111,11 @@ def _aggregate(per_token: Tensor, m: Tensor, mode: str, normalizer: Tensor | flo
     else:
         normalizer = _validate.check_positive("normalizer", normalizer)
     flat, fm = _rows(per_token), _rows(m)
-    if mode in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
+    if aggregation in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
         numerator = _sum(flat, fm)
     else:
         seq = _sum(flat, fm, dim=-1)
-        if mode == "seq-mean-token-mean":
+        if aggregation == "seq-mean-token-mean":
             seq = seq / fm.sum(-1).clamp(min=1).to(per_token.dtype)
         numerator = seq.sum()
     return numerator / normalizer
@@ -1119,16 +1126,16 @@ def _aggregate(per_token: Tensor, m: Tensor, mode: str, normalizer: Tensor | flo
 # --------------------------------------------------------------------------- #
 
 
+@_validate.renamed_arguments(new_logps="log_prob", old_logps="sample_log_prob", loss_agg_mode="aggregation")
 def ppo_policy_loss(
-    new_logps: Tensor,
-    old_logps: Tensor,
+    log_prob: Tensor,
+    sample_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_epsilon: float,
+    clip_epsilon: float | tuple[float, float],
     *,
-    clip_epsilon_high: float | None = None,
     dual_clip: float | None = None,
-    loss_agg_mode: str = "token-mean",
+    aggregation: str = "token-mean",
     normalizer: Tensor | float | None = None,
     return_stats: bool = False,
     weights: Tensor | None = None,
@@ -1138,16 +1145,16 @@ def ppo_policy_loss(
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms"
     (arXiv:1707.06347)::
 
-        ratio = exp(new_logps - old_logps)
+        ratio = exp(log_prob - sample_log_prob)
         L_t   = max(-A_t * ratio, -A_t * clamp(ratio, 1 - eps_low, 1 + eps_high))
 
     aggregated over valid tokens (token mean by default, :func:`aggregate_loss`).
     No KL term inside: add :func:`reference_kl_penalty` yourself (MiniMind adds
-    ``kl_coef * kl_ref`` to this loss).
+    ``kl_reward_coeff * kl_ref`` to this loss).
 
     Options beyond MiniMind:
 
-    - ``clip_epsilon_high``: an upper clip different from the lower one
+    - ``clip_epsilon=(eps_low, eps_high)``: an upper clip different from the lower one
       ("clip-higher", DAPO, Yu et al. 2025, arXiv:2503.14476).
     - ``dual_clip``: a constant ``c > 1``; where ``A < 0`` the loss is capped at
       ``-c * A`` (Ye et al. 2020, arXiv:1912.09729), so a huge ratio on a bad
@@ -1157,15 +1164,14 @@ def ppo_policy_loss(
       :func:`rollout_correction_weights`. The statistics stay those of the ratios.
 
     Args:
-        new_logps: ``[*B, R]`` log-probs under the policy being optimised.
-        old_logps: ``[*B, R]`` log-probs under the policy that sampled.
+        log_prob: ``[*B, R]`` log-probs under the policy being optimised.
+        sample_log_prob: ``[*B, R]`` log-probs under the policy that sampled.
         advantages: ``[*B, R]`` (typically whitened) advantages.
         mask: ``[*B, R]`` bool or {0, 1}.
-        clip_epsilon: ``eps_low`` > 0 (MiniMind: 0.2), also the upper one unless
-            ``clip_epsilon_high`` is given.
-        clip_epsilon_high: optional ``eps_high`` > 0.
+        clip_epsilon: ``eps`` > 0 for both sides (MiniMind: 0.2), or a pair
+            ``(eps_low, eps_high)`` (TorchRL's form).
         dual_clip: optional ``c > 1``.
-        loss_agg_mode: see :func:`aggregate_loss`.
+        aggregation: see :func:`aggregate_loss`.
         normalizer: replaces the local denominator (see :func:`loss_normalizer`).
         return_stats: also return a dict of detached, masked diagnostics:
             ``clip_fraction`` (ratio outside ``[1-eps_low, 1+eps_high]``, MiniMind's
@@ -1196,15 +1202,14 @@ def ppo_policy_loss(
         >>> stats["clip_fraction"], stats["clip_fraction_high"], stats["clip_fraction_low"]
         (tensor(0.6667), tensor(0.3333), tensor(0.3333))
     """
-    m = _validate.check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps, advantages=advantages)
-    eps_low = _validate.check_positive("clip_epsilon", clip_epsilon)
-    eps_high = eps_low if clip_epsilon_high is None else _validate.check_positive("clip_epsilon_high", clip_epsilon_high)
+    m = _validate.check_token_tensors(mask, log_prob=log_prob, sample_log_prob=sample_log_prob, advantages=advantages)
+    eps_low, eps_high = _validate.check_clip_epsilon(clip_epsilon)
     if dual_clip is not None:
         dual_clip = _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
-    _validate.check_mode(loss_agg_mode)
-    cd = _validate.compute_dtype(new_logps, old_logps, advantages)
-    zero = torch.zeros((), dtype=cd, device=new_logps.device)
-    log_ratio = torch.where(m, new_logps.to(cd) - old_logps.to(cd), zero)
+    _validate.check_aggregation(aggregation)
+    cd = _validate.compute_dtype(log_prob, sample_log_prob, advantages)
+    zero = torch.zeros((), dtype=cd, device=log_prob.device)
+    log_ratio = torch.where(m, log_prob.to(cd) - sample_log_prob.to(cd), zero)
     adv = torch.where(m, advantages.to(cd), zero)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -1213,8 +1218,8 @@ def ppo_policy_loss(
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
     if weights is not None:
-        per_token = per_token * _token_weights(weights, m, new_logps, cd)
-    loss = _aggregate(per_token, m, loss_agg_mode, normalizer)
+        per_token = per_token * _token_weights(weights, m, log_prob, cd)
+    loss = _aggregate(per_token, m, aggregation, normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():
@@ -1245,7 +1250,8 @@ def ppo_policy_loss(
     return loss, stats
 
 
-def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
+@_validate.renamed_arguments(new_logps="log_prob", old_logps="sample_log_prob")
+def approx_kl(log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor) -> Tensor:
     """MiniMind's early-stop signal: masked mean of ``0.5 * (new - old)^2`` (the k2 estimator).
 
     Returned detached. Shapes ``[*B, R]``.
@@ -1255,17 +1261,17 @@ def approx_kl(new_logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
         >>> approx_kl(torch.tensor([0.0, -2.0]), torch.tensor([-1.0, -2.0]), torch.tensor([True, True]))
         tensor(0.2500)
     """
-    m = _validate.check_token_tensors(mask, new_logps=new_logps, old_logps=old_logps)
-    cd = _validate.compute_dtype(new_logps, old_logps)
-    d = torch.where(m, new_logps.detach().to(cd) - old_logps.detach().to(cd), 0.0)
+    m = _validate.check_token_tensors(mask, log_prob=log_prob, sample_log_prob=sample_log_prob)
+    cd = _validate.compute_dtype(log_prob, sample_log_prob)
+    d = torch.where(m, log_prob.detach().to(cd) - sample_log_prob.detach().to(cd), 0.0)
     return _mean(0.5 * d * d, m)
 
 
 def _token_weights(weights: Tensor, m: Tensor, ref: Tensor, cd: torch.dtype) -> Tensor:
     """The validated ``weights=`` of :func:`ppo_policy_loss`: detached, in ``cd``, 0 at masked positions."""
     _validate.check_float("weights", weights)
-    _validate.check_same_shape("new_logps", ref, weights=weights)
-    _validate.check_same_device(new_logps=ref, weights=weights)
+    _validate.check_same_shape("log_prob", ref, weights=weights)
+    _validate.check_same_device(log_prob=ref, weights=weights)
     return torch.where(m, weights.detach().to(cd), torch.zeros((), dtype=cd, device=ref.device))
 
 
@@ -1277,9 +1283,10 @@ ROLLOUT_CORRECTION_MODES = ("token-tis", "token-mis", "seq-tis", "seq-mis", "ice
 _TWO_SIDED = ("icepop", "geo-mask")  # the lower bound defaults to 1 / threshold_high
 
 
+@_validate.renamed_arguments(old_logps="sample_log_prob", rollout_logps="rollout_log_prob")
 def rollout_correction_weights(
-    old_logps: Tensor,
-    rollout_logps: Tensor,
+    sample_log_prob: Tensor,
+    rollout_log_prob: Tensor,
     mask: Tensor,
     mode: str = "token-tis",
     *,
@@ -1290,8 +1297,8 @@ def rollout_correction_weights(
     """Per-token importance weights that correct for rollouts sampled by another engine.
 
     When the rollouts come from an inference engine (vLLM, ...) or a stale
-    policy, the sampling log-probs ``rollout_logps`` differ from the trainer's
-    old-policy log-probs ``old_logps``. With the per-token ratio
+    policy, the sampling log-probs ``rollout_log_prob`` differ from the trainer's
+    old-policy log-probs ``sample_log_prob``. With the per-token ratio
     ``w_t = pi_old / pi_rollout = exp(old_logps_t - rollout_logps_t)`` over the
     valid tokens, and ``C = threshold_high``, ``c = threshold_low``::
 
@@ -1317,8 +1324,8 @@ def rollout_correction_weights(
     garbage at masked positions is never read and the weights there are 0.
 
     Args:
-        old_logps: ``[*B, R]`` log-probs of the sampled tokens under the trainer's old policy.
-        rollout_logps: ``[*B, R]`` log-probs of the same tokens under the engine that sampled them.
+        sample_log_prob: ``[*B, R]`` log-probs of the sampled tokens under the trainer's old policy.
+        rollout_log_prob: ``[*B, R]`` log-probs of the same tokens under the engine that sampled them.
         mask: ``[*B, R]`` bool or {0, 1}.
         mode: one of ``"token-tis"`` (default), ``"token-mis"``, ``"seq-tis"``,
             ``"seq-mis"``, ``"icepop"``, ``"geo-mask"``.
@@ -1352,11 +1359,11 @@ def rollout_correction_weights(
         >>> w, stats["mask_fraction"], stats["seq_mask_fraction"]
         (tensor([[0.5000, 1.0000, 0.0000]]), tensor(0.3333), tensor(1.))
     """
-    m = _validate.check_token_tensors(mask, old_logps=old_logps, rollout_logps=rollout_logps)
+    m = _validate.check_token_tensors(mask, sample_log_prob=sample_log_prob, rollout_log_prob=rollout_log_prob)
     high, low = _rollout_thresholds(mode, threshold_high, threshold_low)
-    cd = _validate.compute_dtype(old_logps, rollout_logps)
-    zero = torch.zeros((), dtype=cd, device=old_logps.device)
-    log_w = torch.where(m, old_logps.detach().to(cd) - rollout_logps.detach().to(cd), zero)
+    cd = _validate.compute_dtype(sample_log_prob, rollout_log_prob)
+    zero = torch.zeros((), dtype=cd, device=sample_log_prob.device)
+    log_w = torch.where(m, sample_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd), zero)
     log_high, log_low = math.log(high), (-math.inf if low is None else math.log(low))
     if mode in ("seq-tis", "seq-mis", "geo-mask"):
         total = log_w.sum(-1, keepdim=True)  # log S: 0 at masked positions, so only valid tokens count
@@ -1421,19 +1428,20 @@ def _rollout_stats(w: Tensor, m: Tensor, clipped: Tensor, rejected: Tensor) -> d
 # --------------------------------------------------------------------------- #
 
 
+@_validate.renamed_arguments(logps="log_prob", ref_logps="ref_log_prob", old_logps="sample_log_prob")
 def kl_estimate(
-    logps: Tensor,
-    ref_logps: Tensor,
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
     estimator: str = "k3",
     *,
     clamp: float | None = None,
-    old_logps: Tensor | None = None,
+    sample_log_prob: Tensor | None = None,
     score_grad: bool = False,
 ) -> Tensor:
     """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
 
     Schulman 2020, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html).
-    With ``d = ref_logps - logps = log(pi_ref / pi)``:
+    With ``d = ref_log_prob - log_prob = log(pi_ref / pi)``:
 
     - ``"k1"``: ``-d``, unbiased, high variance, can be negative (the in-reward choice);
     - ``"k2"``: ``d^2 / 2``, biased, low variance, gradient of a proper divergence;
@@ -1450,28 +1458,28 @@ def kl_estimate(
     gradient past the clamp would stop pulling the policy back exactly where it
     drifted furthest). Computed in float32 or better; returned in that dtype.
 
-    ``old_logps``: the tokens were sampled from an older policy ``pi_old`` (the
+    ``sample_log_prob``: the tokens were sampled from an older policy ``pi_old`` (the
     PPO epochs after the first minibatch step), so the estimate is importance
-    weighted, ``exp(logps - old_logps) * estimate`` (DeepSeek-V3.2's correction),
+    weighted, ``exp(log_prob - sample_log_prob) * estimate`` (DeepSeek-V3.2's correction),
     the gradient flowing through the weight too. Its expectation under
     ``pi_old`` is the base estimator's under ``pi``; for k3 the gradient of that
     expectation is exactly ``grad KL(pi || pi_ref)`` (the weight's own gradient
     turns k3's into ``E_pi[log(pi / pi_ref) grad log pi]``). On-policy
-    (``old_logps == logps``) the value is the base estimator's.
+    (``sample_log_prob == log_prob``) the value is the base estimator's.
 
     ``score_grad=True`` keeps the value and replaces the gradient by the
     score-function form of ``grad KL(pi || pi_ref)``,
     ``w * log(pi / pi_ref) * grad log pi`` (``w`` the detached importance weight,
-    1 without ``old_logps``): unbiased whatever the estimator, where the
+    1 without ``sample_log_prob``): unbiased whatever the estimator, where the
     gradients of k1 (0 in expectation) and k3 (the forward KL's direction) are not.
     This is the unbiased-gradient option of OpenRLHF.
 
     Args:
-        logps: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
-        ref_logps: ``[*B, R]`` log-probs of the same tokens under ``pi_ref``.
+        log_prob: ``[*B, R]`` log-probs of the sampled tokens under ``pi``.
+        ref_log_prob: ``[*B, R]`` log-probs of the same tokens under ``pi_ref``.
         estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"``.
         clamp: optional positive bound (on the estimate before the weight).
-        old_logps: optional ``[*B, R]`` log-probs of the tokens under the
+        sample_log_prob: optional ``[*B, R]`` log-probs of the tokens under the
             sampling policy: importance weight the estimate.
         score_grad: the value of the estimate with the score-function gradient.
 
@@ -1482,7 +1490,7 @@ def kl_estimate(
         >>> [round(float(kl_estimate(lp, ref, e)), 4) for e in ("k1", "k2", "k3")]
         [0.6931, 0.2402, 0.1931]
     """
-    tensors = dict(logps=logps, ref_logps=ref_logps) | ({} if old_logps is None else dict(old_logps=old_logps))
+    tensors = dict(log_prob=log_prob, ref_log_prob=ref_log_prob) | ({} if sample_log_prob is None else dict(sample_log_prob=sample_log_prob))
     _validate.check_token_tensors(None, **tensors)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
@@ -1490,14 +1498,14 @@ def kl_estimate(
         clamp = _validate.check_positive("clamp", clamp)
     _check_log_probs(tensors)
     cd = _validate.compute_dtype(*tensors.values())
-    lp = logps.to(cd)
-    kl = _kl_values(lp, ref_logps.to(cd), estimator, clamp)
+    lp = log_prob.to(cd)
+    kl = _kl_values(lp, ref_log_prob.to(cd), estimator, clamp)
     weight = None
-    if old_logps is not None:  # sampled from pi_old: weight by pi / pi_old (the gradient flows through it)
-        weight = torch.exp(lp - old_logps.to(cd).detach())
+    if sample_log_prob is not None:  # sampled from pi_old: weight by pi / pi_old (the gradient flows through it)
+        weight = torch.exp(lp - sample_log_prob.to(cd).detach())
         kl = weight * kl
     if score_grad:  # the value of kl, the gradient w * log(pi / pi_ref) * grad log pi
-        coef = (lp - ref_logps.to(cd)).detach() * (1.0 if weight is None else weight.detach())
+        coef = (lp - ref_log_prob.to(cd)).detach() * (1.0 if weight is None else weight.detach())
         kl = kl.detach() + (lp - lp.detach()) * coef
     return kl
 
@@ -1521,9 +1529,9 @@ def _check_log_probs(tensors: dict[str, Tensor]) -> None:
                 )
 
 
-def _kl_values(logps: Tensor, ref_logps: Tensor, estimator: str, clamp: float | None) -> Tensor:
+def _kl_values(log_prob: Tensor, ref_log_prob: Tensor, estimator: str, clamp: float | None) -> Tensor:
     """The per-token estimate of validated compute-dtype log-probs (see :func:`kl_estimate`)."""
-    d = ref_logps - logps
+    d = ref_log_prob - log_prob
     if estimator == "k1":
         kl = -d
     elif estimator == "k2":
@@ -1540,35 +1548,38 @@ def _kl_values(logps: Tensor, ref_logps: Tensor, estimator: str, clamp: float | 
     return kl
 
 
+@_validate.renamed_arguments(
+    policy_logps="log_prob", ref_logps="ref_log_prob", old_logps="sample_log_prob", loss_agg_mode="aggregation"
+)
 def reference_kl_penalty(
-    policy_logps: Tensor,
-    ref_logps: Tensor,
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
     mask: Tensor,
     *,
     estimator: str = "k3",
     clamp: float | None = None,
-    old_logps: Tensor | None = None,
+    sample_log_prob: Tensor | None = None,
     score_grad: bool = False,
-    loss_agg_mode: str = "token-mean",
+    aggregation: str = "token-mean",
     normalizer: Tensor | float | None = None,
 ) -> Tensor:
     """Masked mean of the per-token KL to the reference policy (*MiniMind*).
 
     Default: MiniMind's k3, ``mean over valid tokens of exp(d) - d - 1`` with
-    ``d = ref_logps - policy_logps``. Other estimators and aggregation modes
+    ``d = ref_log_prob - log_prob``. Other estimators and aggregation modes
     via :func:`kl_estimate` and :func:`aggregate_loss`. Garbage at masked
     positions is never read.
 
     Args:
-        policy_logps: ``[*B, R]`` log-probs under the current policy (carries the gradient).
-        ref_logps: ``[*B, R]`` log-probs under the frozen reference.
+        log_prob: ``[*B, R]`` log-probs under the current policy (carries the gradient).
+        ref_log_prob: ``[*B, R]`` log-probs under the frozen reference.
         mask: ``[*B, R]`` bool or {0, 1}.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
         clamp: optional bound on the per-token estimate.
-        old_logps: optional ``[*B, R]`` sampling log-probs: importance weight the
+        sample_log_prob: optional ``[*B, R]`` sampling log-probs: importance weight the
             estimate (DeepSeek-V3.2's correction, see :func:`kl_estimate`).
         score_grad: the score-function (unbiased) gradient, see :func:`kl_estimate`.
-        loss_agg_mode: see :func:`aggregate_loss`.
+        aggregation: see :func:`aggregate_loss`.
         normalizer: replaces the local denominator (see :func:`loss_normalizer`).
 
     Example:
@@ -1578,15 +1589,15 @@ def reference_kl_penalty(
         >>> reference_kl_penalty(pol, ref, torch.tensor([[1, 1]]))  # (0.1931 + 0) / 2
         tensor(0.0966)
     """
-    old = {} if old_logps is None else dict(old_logps=old_logps)
-    m = _validate.check_token_tensors(mask, policy_logps=policy_logps, ref_logps=ref_logps, **old)
-    _validate.check_mode(loss_agg_mode)
-    zero = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
-    safe_pol = torch.where(m, policy_logps, zero)
-    safe_ref = torch.where(m, ref_logps.to(policy_logps.dtype), zero)
-    safe_old = None if old_logps is None else torch.where(m, old_logps.to(policy_logps.dtype), zero)
-    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, old_logps=safe_old, score_grad=score_grad)
-    return _aggregate(kl, m, loss_agg_mode, normalizer)
+    old = {} if sample_log_prob is None else dict(sample_log_prob=sample_log_prob)
+    m = _validate.check_token_tensors(mask, log_prob=log_prob, ref_log_prob=ref_log_prob, **old)
+    _validate.check_aggregation(aggregation)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    safe_pol = torch.where(m, log_prob, zero)
+    safe_ref = torch.where(m, ref_log_prob.to(log_prob.dtype), zero)
+    safe_old = None if sample_log_prob is None else torch.where(m, sample_log_prob.to(log_prob.dtype), zero)
+    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, sample_log_prob=safe_old, score_grad=score_grad)
+    return _aggregate(kl, m, aggregation, normalizer)
 
 
 def last_valid_index(mask: Tensor) -> Tensor:
@@ -1613,20 +1624,21 @@ def last_valid_index(mask: Tensor) -> Tensor:
     return torch.where(m, positions, -1).amax(-1)
 
 
+@_validate.renamed_arguments(logps="log_prob", ref_logps="ref_log_prob")
 def masked_kl_estimate(
-    logps: Tensor, ref_logps: Tensor, mask: Tensor, estimator: str = "k1", *, clamp: float | None = None
+    log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, estimator: str = "k1", *, clamp: float | None = None
 ) -> Tensor:
     """:func:`kl_estimate` per token, exactly 0 at masked positions (never read there).
 
     Args:
-        logps: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
-        ref_logps: ``[*B, R]`` log-probs of the same tokens under the reference.
+        log_prob: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
+        ref_log_prob: ``[*B, R]`` log-probs of the same tokens under the reference.
         mask: ``[*B, R]`` bool or {0, 1}.
         estimator: ``"k1"`` (default: the unbiased in-reward choice), ``"k2"``, ``"k3"``, ``"k3+"``.
         clamp: optional bound on the per-token estimate.
 
     Returns:
-        ``[*B, R]`` in the dtype of ``logps`` (float32 or better).
+        ``[*B, R]`` in the dtype of ``log_prob`` (float32 or better).
 
     Example:
         >>> import torch
@@ -1634,24 +1646,25 @@ def masked_kl_estimate(
         >>> masked_kl_estimate(lp, ref, torch.tensor([[True, False]]))
         tensor([[0.5000, 0.0000]])
     """
-    m = _validate.check_token_tensors(mask, logps=logps, ref_logps=ref_logps)
-    return _masked_kl(logps, ref_logps, m, estimator, clamp)
+    m = _validate.check_token_tensors(mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
+    return _masked_kl(log_prob, ref_log_prob, m, estimator, clamp)
 
 
-def _masked_kl(logps: Tensor, ref_logps: Tensor, m: Tensor, estimator: str, clamp: float | None) -> Tensor:
+def _masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estimator: str, clamp: float | None) -> Tensor:
     """:func:`masked_kl_estimate` of checked token tensors and bool mask (:func:`kl_estimate` checks the
     estimator, the clamp and that the valid values are log-probs)."""
-    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    kl = kl_estimate(torch.where(m, logps, zero), torch.where(m, ref_logps.to(logps.dtype), zero), estimator, clamp=clamp)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    kl = kl_estimate(torch.where(m, log_prob, zero), torch.where(m, ref_log_prob.to(log_prob.dtype), zero), estimator, clamp=clamp)
     return torch.where(m, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
 
 
+@_validate.renamed_arguments(logps="sample_log_prob", ref_logps="ref_log_prob", kl_coeff="kl_reward_coeff")
 def kl_penalized_rewards(
     rewards: Tensor,
-    logps: Tensor,
-    ref_logps: Tensor,
+    sample_log_prob: Tensor,
+    ref_log_prob: Tensor,
     mask: Tensor,
-    kl_coeff: Tensor | float,
+    kl_reward_coeff: Tensor | float,
     *,
     estimator: str = "k1",
     clamp: float | None = None,
@@ -1661,9 +1674,9 @@ def kl_penalized_rewards(
     Ziegler et al. 2019 (arXiv:1909.08593), Stiennon et al. 2020; the shape of
     torchtune's ``rlhf.get_rewards_ppo``. For every valid token ``t``::
 
-        kl_t      = KL_est(logps_t, ref_logps_t)                 # k1 = logps - ref_logps by default
-        reward_t  = r_t - kl_coeff * kl_t                         # per-token rewards [*B, R], or
-        reward_t  = score * [t == last valid] - kl_coeff * kl_t   # one score per sequence [*B]
+        kl_t      = KL_est(logps_t, ref_logps_t)                 # k1 = sample_log_prob - ref_log_prob by default
+        reward_t  = r_t - kl_reward_coeff * kl_t                         # per-token rewards [*B, R], or
+        reward_t  = score * [t == last valid] - kl_reward_coeff * kl_t   # one score per sequence [*B]
 
     A sequence-level score lands on the last valid token only, never on every
     token; a score on a row without a valid token is refused (it would be
@@ -1673,15 +1686,15 @@ def kl_penalized_rewards(
 
     Args:
         rewards: ``[*B, R]`` per-token rewards, or ``[*B]`` one score per sequence.
-        logps: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
-        ref_logps: ``[*B, R]`` log-probs of the same tokens under the frozen reference.
+        sample_log_prob: ``[*B, R]`` log-probs of the sampled tokens under the sampling policy.
+        ref_log_prob: ``[*B, R]`` log-probs of the same tokens under the frozen reference.
         mask: ``[*B, R]`` bool or {0, 1}, True = response token.
-        kl_coeff: the penalty weight ``beta`` (float or a one-element tensor).
+        kl_reward_coeff: the penalty weight ``beta`` (float or a one-element tensor).
         estimator, clamp: see :func:`kl_estimate`.
 
     Returns:
         ``(rewards, kl)``: ``[*B, R]`` penalised rewards (dtype of ``rewards``) and
-        the per-token KL (dtype of ``logps``).
+        the per-token KL (dtype of ``sample_log_prob``).
 
     Example:
         >>> import torch
@@ -1693,10 +1706,10 @@ def kl_penalized_rewards(
                 [ 0.0000,  3.0000,  0.0000]])
     """
     _validate.check_float("rewards", rewards)
-    m = _validate.check_token_tensors(mask, logps=logps, ref_logps=ref_logps)
-    kl = _masked_kl(logps, ref_logps, m, estimator, clamp)
-    _validate.check_same_device(rewards=rewards, logps=logps)
-    shape = logps.shape
+    m = _validate.check_token_tensors(mask, sample_log_prob=sample_log_prob, ref_log_prob=ref_log_prob)
+    kl = _masked_kl(sample_log_prob, ref_log_prob, m, estimator, clamp)
+    _validate.check_same_device(rewards=rewards, sample_log_prob=sample_log_prob)
+    shape = sample_log_prob.shape
     if rewards.shape == shape:
         dense = rewards
     elif rewards.shape == shape[:-1]:
@@ -1711,11 +1724,11 @@ def kl_penalized_rewards(
         dense = torch.where(at_last, rewards.unsqueeze(-1), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
     else:
         raise ValueError(
-            f"rewards has shape {tuple(rewards.shape)} but logps define [*B, R] = {tuple(shape)}: expected a "
+            f"rewards has shape {tuple(rewards.shape)} but sample_log_prob define [*B, R] = {tuple(shape)}: expected a "
             f"per-token reward {tuple(shape)} or one score per sequence {tuple(shape[:-1])}; broadcasting it "
             "would mix tokens of different sequences"
         )
-    coeff = torch.as_tensor(kl_coeff, device=kl.device).to(kl.dtype)
+    coeff = torch.as_tensor(kl_reward_coeff, device=kl.device).to(kl.dtype)
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     return torch.where(m, dense - coeff * kl, zero), kl
 
@@ -1764,14 +1777,15 @@ def adaptive_kl_coeff(
 # --------------------------------------------------------------------------- #
 
 
+@_validate.renamed_arguments(cliprange_value="clip_value", loss_agg_mode="aggregation")
 def clipped_value_loss(
     values: Tensor,
     old_values: Tensor,
     returns: Tensor,
     mask: Tensor,
-    cliprange_value: float,
+    clip_value: float,
     *,
-    loss_agg_mode: str = "token-mean",
+    aggregation: str = "token-mean",
     normalizer: Tensor | float | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
@@ -1789,8 +1803,8 @@ def clipped_value_loss(
         old_values: ``[*B, R]`` values at rollout time ``V_old``.
         returns: ``[*B, R]`` value targets ``R`` (raw advantages + old values).
         mask: ``[*B, R]`` bool or {0, 1}.
-        cliprange_value: ``c`` > 0 (MiniMind: 0.2).
-        loss_agg_mode: see :func:`aggregate_loss`.
+        clip_value: ``c`` > 0 (MiniMind: 0.2).
+        aggregation: see :func:`aggregate_loss`.
         normalizer: replaces the local denominator (see :func:`loss_normalizer`).
         return_stats: also return ``{"value_clip_fraction": ...}``, the fraction
             of valid tokens whose clipped branch is the larger (its gradient is 0).
@@ -1803,8 +1817,8 @@ def clipped_value_loss(
         tensor(0.5000)
     """
     m = _validate.check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
-    c = _validate.check_positive("cliprange_value", cliprange_value)
-    _validate.check_mode(loss_agg_mode)
+    c = _validate.check_positive("clip_value", clip_value)
+    _validate.check_aggregation(aggregation)
     cd = _validate.compute_dtype(values, old_values, returns)
     zero = torch.zeros((), dtype=cd, device=values.device)
     v = torch.where(m, values.to(cd), zero)
@@ -1814,7 +1828,7 @@ def clipped_value_loss(
     unclipped = (v - ret) ** 2
     clipped = (v_clip - ret) ** 2
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = _aggregate(per_token, m, loss_agg_mode, normalizer)
+    loss = _aggregate(per_token, m, aggregation, normalizer)
     if not return_stats:
         return loss
     with torch.no_grad():

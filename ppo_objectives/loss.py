@@ -15,6 +15,7 @@ every number comes from the functional core (``docs/design.md``, "Layers").
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,11 +40,11 @@ __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
 MINIMIND_PPO_DEFAULTS: dict[str, Any] = {
     "clip_epsilon": 0.2,  # --clip_epsilon: ratio clipped to [0.8, 1.2]
     "critic_coeff": 0.5,  # --vf_coef: weight of the (0.5 * squared error) value loss
-    "kl_coeff": 0.02,  # --kl_coef: weight of the k3 reference KL added to the policy loss
-    "kl_estimator": "k3",  # exp(d) - d - 1, d = ref_logp - logp
+    "kl_to_ref_coeff": 0.02,  # --kl_coef: weight of the k3 reference KL added to the policy loss
+    "kl_estimator": "k3",  # exp(d) - d - 1, d = ref_log_prob - logp
     "clip_value": 0.2,  # --cliprange_value: V may move 0.2 from the rollout value
     "entropy_coeff": 0.0,  # no entropy bonus
-    "loss_agg_mode": "token-mean",  # masked mean over all valid tokens of the minibatch
+    "aggregation": "token-mean",  # masked mean over all valid tokens of the minibatch
     "normalize_advantage": False,  # whitened once per rollout, in GAE (average_gae=True)
     "early_stop_kl": 0.25,  # --early_stop_kl: stop the PPO epochs when kl_approx exceeds it
     "gamma": 1.0,  # --gamma
@@ -53,22 +54,10 @@ MINIMIND_PPO_DEFAULTS: dict[str, Any] = {
 _ESTIMATOR_KEYS = ("advantage", "value_target", "value", "reward", "done", "terminated", "truncated", "mask")
 
 
-def _clip_pair(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]:
-    if isinstance(clip_epsilon, (tuple, list)):
-        if len(clip_epsilon) != 2:
-            raise ValueError(
-                f"clip_epsilon={clip_epsilon!r}: give one float (symmetric) or a pair (eps_low, eps_high)"
-            )
-        low, high = clip_epsilon
-    else:
-        low = high = clip_epsilon
-    return _validate.check_positive("clip_epsilon (low)", low), _validate.check_positive("clip_epsilon (high)", high)
-
-
-def _check_hyperparameters(*, dual_clip, loss_agg_mode, kl_estimator, kl_clamp, clip_value, **coeffs) -> None:
+def _check_hyperparameters(*, dual_clip, aggregation, kl_estimator, kl_clamp, clip_value, **coeffs) -> None:
     if dual_clip is not None:
         _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
-    _validate.check_mode(loss_agg_mode)
+    _validate.check_aggregation(aggregation)
     if kl_estimator not in F.KL_ESTIMATORS:
         raise ValueError(f"kl_estimator={kl_estimator!r} is not one of {F.KL_ESTIMATORS}")
     if kl_clamp is not None:
@@ -84,7 +73,7 @@ def _build_value_estimator(value_type: Any, critic_network, hyperparams: dict) -
     if isinstance(value_type, ValueEstimatorBase):
         return value_type
     if value_type is MaskedGAE:
-        return MaskedGAE(**{"gamma": 1.0, "lmbda": 0.95, "value_network": critic_network, **hyperparams})
+        return MaskedGAE(**{"value_network": critic_network, **hyperparams})
     if isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase):
         return value_type(**hyperparams)
     raise NotImplementedError(
@@ -97,7 +86,7 @@ _GAE_ON_MASKED_DATA = (
     "TokenPPOLoss: the value estimator is {name}, which reads unmasked collector data [N, T] with ('next', 'done') "
     "flags, but this batch {why} (the response layout of trajectories_to_llm_batch, or the full-sequence layout "
     "of LLMToTokenBatch); it would compute on padding and holes, or fail inside TensorDict. Response-layout data "
-    "needs MaskedGAE: loss.make_value_estimator(MaskedGAE(gamma=1.0, lmbda=0.95)) (the default), or store "
+    "needs MaskedGAE: loss.make_value_estimator(MaskedGAE()) (the default), or store "
     "'advantage' and 'value_target' before the loss"
 )
 
@@ -116,12 +105,12 @@ class TokenPPOLoss(LossModule):
 
         loss_objective = agg( max(-A_t ratio_t, -A_t clamp(ratio_t, 1 - eps_low, 1 + eps_high)) )
         loss_critic    = critic_coeff * agg( 0.5 max((V_t - G_t)^2, (clamp(V_t, V_old +- c) - G_t)^2) )
-        loss_kl_ref    = kl_coeff * agg( KL_est(log_prob_t, ref_log_prob_t) )      (k3 by default)
+        loss_kl_ref    = kl_to_ref_coeff * agg( KL_est(log_prob_t, ref_log_prob_t) )      (k3 by default)
         loss_entropy   = -entropy_coeff * agg( H_t )
 
     ``agg`` is the masked aggregation :func:`ppo_objectives.functional.aggregate_loss`
     (token mean by default). Summing the ``loss_*`` entries gives MiniMind's total
-    loss (``policy_loss + kl_coef * kl_ref + vf_coef * value_loss``). The arithmetic
+    loss (``policy_loss + kl_reward_coeff * kl_ref + vf_coef * value_loss``). The arithmetic
     is :func:`~ppo_objectives.functional.ppo_policy_loss`,
     :func:`~ppo_objectives.functional.clipped_value_loss` and
     :func:`~ppo_objectives.functional.reference_kl_penalty`.
@@ -139,7 +128,7 @@ class TokenPPOLoss(LossModule):
     **Batch shape.** The TensorDict needs at least one batch dimension: ``[B]``
     (the response layout, ``[B, S]`` inputs next to ``[B, R]`` per-token entries)
     or ``[*B, R]``. ``in_keys`` lists what the loss reads (``mask``,
-    ``sample_log_prob``, ``advantage``; ``ref_log_prob`` when ``kl_coeff > 0``;
+    ``sample_log_prob``, ``advantage``; ``ref_log_prob`` when ``kl_to_ref_coeff > 0``;
     ``value_target`` and, with ``clip_value``, ``state_value`` when there is a
     critic) and the networks' ``in_keys``, so ``td.select(*loss.in_keys)`` keeps
     the inputs of one call on a batch whose advantages are computed (the value
@@ -166,7 +155,7 @@ class TokenPPOLoss(LossModule):
     ``"sample_log_prob"``    log-probs under the sampling policy (required)
     ``"rollout_log_prob"``   log-probs under the engine that sampled the tokens (e.g. vLLM);
                              required when rollout_correction is set, else never read
-    ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_coeff > 0)
+    ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_to_ref_coeff > 0)
     ``"advantage"``          per-token advantages; computed by the value estimator when absent
     ``"value_target"``       returns ``G_t`` for the critic (required with a critic)
     ``"state_value"`` value  critic values at rollout time ``V_old`` (required when clip_value)
@@ -203,7 +192,7 @@ class TokenPPOLoss(LossModule):
         dual_clip: dual-clip constant ``c > 1`` (Ye et al. 2020), or ``None``.
         critic_coeff: weight of the value loss. Default 0.5 (MiniMind's ``vf_coef``).
         clip_value: value clip range ``c`` (MiniMind 0.2), or ``None`` for the unclipped loss.
-        kl_coeff: weight of the reference KL. Default 0.02 (MiniMind). 0 disables it.
+        kl_to_ref_coeff: weight of the reference KL. Default 0.02 (MiniMind). 0 disables it.
         kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"k3+"``.
         kl_clamp: optional bound on the per-token KL estimate.
         kl_importance_weighted: weight the per-token KL by ``pi / pi_old``
@@ -212,7 +201,7 @@ class TokenPPOLoss(LossModule):
             the current one. Default ``False`` (MiniMind).
         entropy_coeff: weight of the entropy bonus. Default 0.
         entropy_bonus: require an entropy from the actor; default ``entropy_coeff != 0``.
-        loss_agg_mode: ``"token-mean"`` (default), ``"seq-mean-token-mean"``,
+        aggregation: ``"token-mean"`` (default), ``"seq-mean-token-mean"``,
             ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"token-sum"`` or
             ``"token-sum-norm"`` (see :func:`~ppo_objectives.functional.aggregate_loss`).
         normalize_advantage: whiten the advantages over the valid tokens of each call.
@@ -232,7 +221,7 @@ class TokenPPOLoss(LossModule):
         device: device of the coefficient buffers.
 
     The default value estimator (used when ``advantage`` is missing) is
-    :class:`~ppo_objectives.value.gae.MaskedGAE` with ``gamma=1.0, lmbda=0.95``;
+    :class:`~ppo_objectives.value.gae.MaskedGAE` with its defaults (``gamma=1.0, lmbda=0.95``, MiniMind's);
     change it with :meth:`make_value_estimator`.
 
     Example:
@@ -313,7 +302,7 @@ class TokenPPOLoss(LossModule):
     tensor_keys: _AcceptedKeys
     default_value_estimator = MaskedGAE
     _schedulable_buffers = frozenset(
-        {"clip_epsilon", "clip_epsilon_high", "critic_coeff", "kl_coeff", "entropy_coeff", "clip_value"}
+        {"clip_epsilon_low", "clip_epsilon_high", "critic_coeff", "kl_to_ref_coeff", "entropy_coeff", "clip_value"}
     )
 
     actor_network: TensorDictModule
@@ -323,6 +312,7 @@ class TokenPPOLoss(LossModule):
     target_actor_network_params: TensorDictParams
     target_critic_network_params: TensorDictParams
 
+    @_validate.renamed_arguments(kl_coeff="kl_to_ref_coeff", loss_agg_mode="aggregation")
     def __init__(
         self,
         actor_network: TensorDictModule,
@@ -332,13 +322,13 @@ class TokenPPOLoss(LossModule):
         dual_clip: float | None = None,
         critic_coeff: float = 0.5,
         clip_value: float | None = 0.2,
-        kl_coeff: float = 0.02,
+        kl_to_ref_coeff: float = 0.02,
         kl_estimator: str = "k3",
         kl_clamp: float | None = None,
         kl_importance_weighted: bool = False,
         entropy_coeff: float = 0.0,
         entropy_bonus: bool | None = None,
-        loss_agg_mode: str = "token-mean",
+        aggregation: str = "token-mean",
         normalize_advantage: bool = False,
         early_stop_kl: float | None = None,
         rollout_correction: str | None = None,
@@ -349,10 +339,10 @@ class TokenPPOLoss(LossModule):
     ):
         if actor_network is None:
             raise TypeError("TokenPPOLoss needs an actor_network that writes per-token 'log_prob'")
-        eps_low, eps_high = _clip_pair(clip_epsilon)
+        eps_low, eps_high = _validate.check_clip_epsilon(clip_epsilon)
         _check_hyperparameters(
-            dual_clip=dual_clip, loss_agg_mode=loss_agg_mode, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
-            clip_value=clip_value, critic_coeff=critic_coeff, kl_coeff=kl_coeff, entropy_coeff=entropy_coeff,
+            dual_clip=dual_clip, aggregation=aggregation, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+            clip_value=clip_value, critic_coeff=critic_coeff, kl_to_ref_coeff=kl_to_ref_coeff, entropy_coeff=entropy_coeff,
         )  # fmt: skip
         super().__init__()
         self._functional = functional
@@ -360,25 +350,26 @@ class TokenPPOLoss(LossModule):
         _attach_networks(self, actor_network, critic_network, functional)
         if device is None:
             device = next(iter(self.parameters()), torch.empty(0, device=torch.get_default_device())).device
-        coeffs = {"clip_epsilon": eps_low, "clip_epsilon_high": eps_high, "critic_coeff": float(critic_coeff),
-                  "kl_coeff": float(kl_coeff), "entropy_coeff": float(entropy_coeff), "clip_value": clip_value}  # fmt: skip
+        coeffs = {"clip_epsilon_low": eps_low, "clip_epsilon_high": eps_high, "critic_coeff": float(critic_coeff),
+                  "kl_to_ref_coeff": float(kl_to_ref_coeff), "entropy_coeff": float(entropy_coeff), "clip_value": clip_value}  # fmt: skip
         for name, value in coeffs.items():
             self.register_coeff_buffer(name, value, device=device, dtype=torch.float32)
         self.dual_clip = dual_clip
         self.kl_estimator = kl_estimator
         self.kl_clamp = kl_clamp
         self.kl_importance_weighted = bool(kl_importance_weighted)
-        self.loss_agg_mode = loss_agg_mode
+        self.aggregation = aggregation
         self.normalize_advantage = bool(normalize_advantage)
         self.early_stop_kl = early_stop_kl
         self.entropy_bonus = (entropy_coeff != 0) if entropy_bonus is None else bool(entropy_bonus)
         self._has_critic = critic_network is not None and critic_coeff != 0
-        self._requires_ref = kl_coeff != 0
+        self._requires_ref = kl_to_ref_coeff != 0
         _set_rollout_correction(self, rollout_correction, rollout_threshold_high, rollout_threshold_low)
 
     # ------------------------------------------------------------------ presets
 
     @classmethod
+    @_validate.renamed_arguments(kl_coeff="kl_to_ref_coeff", loss_agg_mode="aggregation")
     def minimind(
         cls, actor_network: TensorDictModule, critic_network: TensorDictModule, **overrides: Any
     ) -> TokenPPOLoss:
@@ -387,7 +378,7 @@ class TokenPPOLoss(LossModule):
         clip 0.2 (``--clip_epsilon``), value-loss weight 0.5 (``--vf_coef``), k3 reference
         KL weight 0.02 in the loss (``--kl_coef``), value clip 0.2 (``--cliprange_value``),
         no entropy bonus, token-mean aggregation, advantages whitened once in GAE with
-        ``gamma=1.0, lmbda=0.95`` (``--gamma``, ``--lam``), and ``early_stop_kl=0.25``
+        ``gamma=1.0, lmbda=0.95`` (``--gamma``, ``--lam``: MiniMind's flags), and ``early_stop_kl=0.25``
         (``--early_stop_kl``; the training loop stops the PPO epochs when ``kl_approx``
         exceeds it). Keyword ``overrides`` replace any of these.
 
@@ -397,7 +388,7 @@ class TokenPPOLoss(LossModule):
             >>> actor = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["log_prob"])
             >>> critic = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["state_value"])
             >>> loss = TokenPPOLoss.minimind(actor, critic)
-            >>> float(loss.clip_epsilon), float(loss.critic_coeff), float(loss.kl_coeff), float(loss.clip_value)
+            >>> float(loss.clip_epsilon_low), float(loss.critic_coeff), float(loss.kl_to_ref_coeff), float(loss.clip_value)
             (0.20000000298023224, 0.5, 0.019999999552965164, 0.20000000298023224)
             >>> loss.kl_estimator, loss.early_stop_kl
             ('k3', 0.25)
@@ -405,12 +396,8 @@ class TokenPPOLoss(LossModule):
             >>> float(gae.gamma), float(gae.lmbda), gae.average_gae
             (1.0, 0.95, True)
         """
-        cfg = dict(MINIMIND_PPO_DEFAULTS)
-        unknown = set(overrides) - set(cfg) - {"dual_clip", "kl_clamp", "kl_importance_weighted", "entropy_bonus",
-                                               "functional", "device", *_ROLLOUT_ARGS}  # fmt: skip
-        if unknown:
-            raise TypeError(f"TokenPPOLoss.minimind() got unknown overrides {sorted(unknown)}")
-        cfg.update(overrides)
+        _check_overrides(overrides)
+        cfg = {**MINIMIND_PPO_DEFAULTS, **overrides}
         gamma, lmbda = cfg.pop("gamma"), cfg.pop("lmbda")
         loss = cls(actor_network, critic_network, **cfg)
         loss.make_value_estimator(MaskedGAE(gamma=gamma, lmbda=lmbda, average_gae=True))
@@ -497,7 +484,7 @@ class TokenPPOLoss(LossModule):
 
         ``normalizer``: optional denominator of every ``loss_*`` aggregation (the
         ``normalizer=`` of :func:`~ppo_objectives.functional.aggregate_loss`), e.g.
-        ``loss_normalizer(mask, loss.loss_agg_mode, process_group=pg)``: the valid-token
+        ``loss_normalizer(mask, loss.aggregation, process_group=pg)``: the valid-token
         count over all ranks, so that DDP's gradient average equals one process holding
         every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
         """
@@ -514,8 +501,8 @@ class TokenPPOLoss(LossModule):
         batch = self._read_batch(td)
         if _validate.checking_values() and batch.mask.numel() and not bool(batch.mask.any()):
             warnings.warn(_EMPTY_MASK_WARNING, UserWarning, stacklevel=2)
-        new_logp, entropy = self._actor_outputs(td, batch)
-        out = self._policy_terms(batch, new_logp, entropy, normalizer)
+        log_prob, entropy = self._actor_outputs(td, batch)
+        out = self._policy_terms(batch, log_prob, entropy, normalizer)
         if self._has_critic:
             self._critic_terms(td, batch, out, normalizer)
         return out
@@ -524,8 +511,8 @@ class TokenPPOLoss(LossModule):
         """The rollout entries as ``[*B, R]`` tensors (detached), with errors that name the missing key."""
         k = self.tensor_keys
         fix = "store the policy's per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
-        old_logp = TD.require(td, k.sample_log_prob, module="TokenPPOLoss", what="the sampling log-probs", fix=fix)
-        shape, _ = TD.step_shape(old_logp, td.batch_dims)
+        sample_log_prob = TD.require(td, k.sample_log_prob, module="TokenPPOLoss", what="the sampling log-probs", fix=fix)
+        shape, _ = TD.step_shape(sample_log_prob, td.batch_dims)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
         def get(key, what, fix="", required=True):
@@ -538,23 +525,23 @@ class TokenPPOLoss(LossModule):
         return _Batch(
             shape=shape,
             ref=ref,
-            old_logp=get(k.sample_log_prob, "sample_log_prob"),
+            sample_log_prob=get(k.sample_log_prob, "sample_log_prob"),
             advantage=get(k.advantage, "advantage"),
-            mask=TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, old_logp.device),
-            ref_logp=get(k.ref_log_prob, "reference log-probs", _REF_FIX, self._requires_ref),
+            mask=TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, sample_log_prob.device),
+            ref_log_prob=get(k.ref_log_prob, "reference log-probs", _REF_FIX, self._requires_ref),
             returns=get(k.value_target, "value target", "run the value estimator (MaskedGAE) first") if critic else None,
             old_values=get(
                 k.value, "rollout values", "needed because clip_value is set", critic and self.clip_value is not None
             ),
-            rollout_logp=get(k.rollout_log_prob, "rollout log-probs", _ROLLOUT_FIX, self.rollout_correction is not None),
+            rollout_log_prob=get(k.rollout_log_prob, "rollout log-probs", _ROLLOUT_FIX, self.rollout_correction is not None),
         )
 
     def _actor_outputs(self, td: TensorDictBase, batch: _Batch) -> tuple[Tensor, Tensor | None]:
         """The actor's ``[*B, R]`` log-probs (and entropy, when it writes one) under the current parameters."""
         k = self.tensor_keys
         out = self._run("actor_network", td, k.log_prob, k.entropy)
-        new_logp = out.get(k.log_prob, None)
-        if new_logp is None:
+        log_prob = out.get(k.log_prob, None)
+        if log_prob is None:
             raise KeyError(
                 f"TokenPPOLoss: the actor network did not write {k.log_prob!r}; it must output the per-token "
                 f"log-probs [B, R] of the response tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})"
@@ -565,33 +552,33 @@ class TokenPPOLoss(LossModule):
                 f"TokenPPOLoss: entropy_coeff is set but the actor network did not write {k.entropy!r}; "
                 "return the per-token entropy [B, R] from the actor (e.g. response_log_probs(..., return_entropy=True))"
             )
-        new_logp = TD.time_last(new_logp, f"actor output {k.log_prob!r}", batch.shape, batch.ref)
+        log_prob = TD.time_last(log_prob, f"actor output {k.log_prob!r}", batch.shape, batch.ref)
         if entropy is not None:
             entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", batch.shape, batch.ref)
-        return new_logp, entropy
+        return log_prob, entropy
 
-    def _policy_terms(self, b: _Batch, new_logp: Tensor, entropy: Tensor | None, normalizer) -> TensorDict:
+    def _policy_terms(self, b: _Batch, log_prob: Tensor, entropy: Tensor | None, normalizer) -> TensorDict:
         """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics."""
-        agg = {"loss_agg_mode": self.loss_agg_mode, "normalizer": normalizer}
+        agg = {"aggregation": self.aggregation, "normalizer": normalizer}
         advantage = F.masked_whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
         weights, rollout_stats = _rollout_weights(self, b)
         loss_objective, stats = F.ppo_policy_loss(
-            new_logp, b.old_logp, advantage, b.mask, self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
+            log_prob, b.sample_log_prob, advantage, b.mask, (self.clip_epsilon_low, self.clip_epsilon_high),
             dual_clip=self.dual_clip, return_stats=True, weights=weights, **agg,
         )  # fmt: skip
         out = TensorDict({"loss_objective": loss_objective, **rollout_stats})
         zero = loss_objective.new_zeros(())
         out.set("loss_kl_ref", zero)
-        if b.ref_logp is not None:
-            old = dict(old_logps=b.old_logp) if self.kl_importance_weighted else {}
+        if b.ref_log_prob is not None:
+            old = dict(sample_log_prob=b.sample_log_prob) if self.kl_importance_weighted else {}
             kl_ref = F.reference_kl_penalty(
-                new_logp, b.ref_logp, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **old, **agg
+                log_prob, b.ref_log_prob, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **old, **agg
             )
-            out.set("loss_kl_ref", self.kl_coeff * kl_ref)
+            out.set("loss_kl_ref", self.kl_to_ref_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
         out.set("loss_entropy", zero)
         if entropy is not None:
-            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, b.mask, self.loss_agg_mode, normalizer=normalizer))
+            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, b.mask, self.aggregation, normalizer=normalizer))
             out.set("entropy", F.masked_mean(entropy.detach(), b.mask))
         for name, stat in _POLICY_STATS:
             out.set(name, stats[stat])
@@ -606,7 +593,7 @@ class TokenPPOLoss(LossModule):
         if values is None:
             raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
         values = TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref)
-        agg = {"loss_agg_mode": self.loss_agg_mode, "normalizer": normalizer}
+        agg = {"aggregation": self.aggregation, "normalizer": normalizer}
         if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
             loss_critic = F.clipped_value_loss(values, values.detach(), b.returns, b.mask, 1.0, **agg)
         else:
@@ -619,15 +606,22 @@ class TokenPPOLoss(LossModule):
 
 
 _REF_FIX = (
-    "needed because kl_coeff > 0 (the in-loss KL to a reference policy): run KLPenaltyTransform(ref) on the batch "
+    "needed because kl_to_ref_coeff > 0 (the in-loss KL to a reference policy): run KLPenaltyTransform(ref) on the batch "
     "first, which writes it (ref = frozen_reference(actor_model, P), or any module writing the reference's "
-    "per-token log-probs), or build the loss with kl_coeff=0.0 to train without the in-loss KL"
+    "per-token log-probs), or build the loss with kl_to_ref_coeff=0.0 to train without the in-loss KL"
 )
-_ROLLOUT_ARGS = ("rollout_correction", "rollout_threshold_high", "rollout_threshold_low")
 _ROLLOUT_FIX = (
     "needed because rollout_correction is set: store the per-token log-probs of the engine that sampled the "
     "tokens (e.g. vLLM's), rename the key with set_keys(rollout_log_prob=...), or set rollout_correction=None"
 )
+
+
+def _check_overrides(overrides: dict) -> None:
+    """:meth:`TokenPPOLoss.minimind` takes the loss's keyword arguments and MiniMind's ``gamma`` / ``lmbda``."""
+    known = set(MINIMIND_PPO_DEFAULTS) | set(inspect.signature(TokenPPOLoss).parameters) - {"actor_network", "critic_network"}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"TokenPPOLoss.minimind() got unknown overrides {sorted(unknown)}")
 
 
 def _check_critic_free(loss: TokenPPOLoss, estimator) -> None:
@@ -641,11 +635,11 @@ def _check_critic_free(loss: TokenPPOLoss, estimator) -> None:
             f"loss has a critic network: it would regress the critic onto advantages; build the loss without one, "
             f"TokenPPOLoss(actor, None, ...)"
         )
-    expected = getattr(estimator, "loss_agg_mode", None)
-    if expected is not None and expected != loss.loss_agg_mode:
+    expected = getattr(estimator, "aggregation", None)
+    if expected is not None and expected != loss.aggregation:
         warnings.warn(
-            f"TokenPPOLoss(loss_agg_mode={loss.loss_agg_mode!r}) with {estimator!r}: that method's objective is "
-            f"defined with loss_agg_mode={expected!r}; pass loss_agg_mode={expected!r} to the loss",
+            f"TokenPPOLoss(aggregation={loss.aggregation!r}) with {estimator!r}: that method's objective is "
+            f"defined with aggregation={expected!r}; pass aggregation={expected!r} to the loss",
             UserWarning,
             stacklevel=3,
         )
@@ -676,7 +670,7 @@ def _rollout_weights(loss: TokenPPOLoss, b: _Batch) -> tuple[Tensor | None, dict
     if loss.rollout_correction is None:
         return None, {}
     weights, stats = F.rollout_correction_weights(
-        b.old_logp, b.rollout_logp, b.mask, loss.rollout_correction, return_stats=True, **loss.rollout_thresholds
+        b.sample_log_prob, b.rollout_log_prob, b.mask, loss.rollout_correction, return_stats=True, **loss.rollout_thresholds
     )
     return weights, {f"rollout_{name}": stat for name, stat in stats.items()}
 
@@ -765,13 +759,13 @@ class _Batch(NamedTuple):
 
     shape: torch.Size
     ref: str
-    old_logp: Tensor
+    sample_log_prob: Tensor
     advantage: Tensor
     mask: Tensor
-    ref_logp: Tensor | None
+    ref_log_prob: Tensor | None
     returns: Tensor | None
     old_values: Tensor | None
-    rollout_logp: Tensor | None = None
+    rollout_log_prob: Tensor | None = None
 
 
 # (loss output, functional.ppo_policy_loss statistic)

@@ -192,7 +192,7 @@ def naive_whiten(values, m, eps=1e-8):
     return out
 
 
-def naive_gae(r, v, m, gamma, lam, boot=None):
+def naive_gae(r, v, m, gamma, lmbda, boot=None):
     """Raw advantages and returns over the valid tokens of each row (Python floats)."""
     adv = torch.zeros(r.shape, dtype=torch.float64)
     for b in range(r.shape[0]):
@@ -201,7 +201,7 @@ def naive_gae(r, v, m, gamma, lam, boot=None):
         next_a = 0.0
         for t in reversed(idx):
             delta = float(r[b, t]) + gamma * next_v - float(v[b, t])
-            next_a = delta + gamma * lam * next_a
+            next_a = delta + gamma * lmbda * next_a
             next_v = float(v[b, t])
             adv[b, t] = next_a
     ret = torch.where(m, adv + torch.where(m, v.double(), 0.0), 0.0)
@@ -409,18 +409,18 @@ refuse("masked_gae-gamma-string", "dtype", lambda: F.masked_gae(REW, VAL, MASK, 
 refuse("masked_gae-mask-minus-1", "mask-values", lambda: F.masked_gae(REW, VAL, -MASK.float(), 1.0, 0.95),
        ValueError, r"mask must hold only 0 and 1")
 accept("masked_gae-empty-mask-whitened-is-zero", "mask-empty",
-       lambda: F.masked_gae(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95, normalize=True),
+       lambda: F.masked_gae(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95, average_gae=True),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
 for _backend in ("torch", "loop"):
     accept(f"masked_gae-nan-inf-at-masked-{_backend}", "masked-garbage",
-           lambda b=_backend: F.masked_gae(REW, VAL, MASK, 0.9, 0.8, normalize=False, backend=b),
+           lambda b=_backend: F.masked_gae(REW, VAL, MASK, 0.9, 0.8, average_gae=False, backend=b),
            lambda out: (close(out[0], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]),
                         close(out[1], naive_gae(REW, VAL, MASK, 0.9, 0.8)[1])))
 accept("masked_gae-nan-inf-at-masked-whitened", "masked-garbage",
-       lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, normalize=True),
+       lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, average_gae=True),
        lambda out: close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 1.0, 0.95)[0], MASK)))
 accept("masked_gae-bf16-inputs", "dtype",
-       lambda: F.masked_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95, normalize=False),
+       lambda: F.masked_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95, average_gae=False),
        lambda out: (_assert_dtype(out[0], torch.bfloat16),
                     close(out[0].float(), naive_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95)[0], atol=2e-2, rtol=1e-2)))
 refuse("masked_gae-values-on-other-device", "device", lambda: F.masked_gae(REW, meta_like(VAL), MASK, 1.0, 0.95),
@@ -428,7 +428,7 @@ refuse("masked_gae-values-on-other-device", "device", lambda: F.masked_gae(REW, 
 refuse("masked_gae-gamma-1.5", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.5, 0.95),
        ValueError, r"gamma=1\.5 is outside \[0, 1\]")
 refuse("masked_gae-lam-negative", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.0, -0.1),
-       ValueError, r"lam=-0\.1 is outside \[0, 1\]")
+       ValueError, r"lmbda=-0\.1 is outside \[0, 1\]")
 refuse("masked_gae-gamma-nan", "hyper", lambda: F.masked_gae(REW, VAL, MASK, NAN, 0.95),
        ValueError, r"gamma=nan is outside \[0, 1\]")
 refuse("masked_gae-gamma-tensor-2", "hyper", lambda: F.masked_gae(REW, VAL, MASK, torch.tensor(2.0), 0.95),
@@ -436,7 +436,7 @@ refuse("masked_gae-gamma-tensor-2", "hyper", lambda: F.masked_gae(REW, VAL, MASK
 refuse("masked_gae-unknown-backend", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, backend="cuda"),
        ValueError, r"backend='cuda' is not one of")
 accept("masked_gae-truncated-row-no-eos-bootstrapped", "no-eos",
-       lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, normalize=False, bootstrap_value=torch.tensor([0.0, 2.5])),
+       lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, average_gae=False, bootstrap_value=torch.tensor([0.0, 2.5])),
        lambda out: close(out[0], naive_gae(REW, VAL, MASK, 1.0, 0.95, boot=[0.0, 2.5])[0]))
 accept("masked_gae-empty-batch", "empty-batch",
        lambda: F.masked_gae(torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool), 1.0, 0.95),
@@ -461,7 +461,7 @@ accept("aggregate_loss-seq-mean-token-mean-empty-mask", "mask-empty",
 refuse("aggregate_loss-scalar", "shape", lambda: F.aggregate_loss(torch.tensor(1.0), torch.tensor(True)),
        ValueError, r"per_token must have a token axis")
 refuse("aggregate_loss-unknown-mode", "hyper", lambda: F.aggregate_loss(_L, MASK, "mean"),
-       ValueError, r"loss_agg_mode='mean' is not one of")
+       ValueError, r"aggregation='mean' is not one of")
 refuse("aggregate_loss-normalizer-0", "hyper", lambda: F.aggregate_loss(_L, MASK, normalizer=0.0),
        ValueError, r"normalizer=0\.0 must be a finite number > 0")
 refuse("aggregate_loss-normalizer-tensor-0", "hyper", lambda: F.aggregate_loss(_L, MASK, normalizer=torch.tensor(0.0)),
@@ -471,11 +471,11 @@ refuse("aggregate_loss-int-normalizer-tensor", "dtype", lambda: F.aggregate_loss
 refuse("aggregate_loss-normalizer-on-other-device", "device",
        lambda: F.aggregate_loss(_L, MASK, normalizer=torch.empty((), device="meta")),
        ValueError, r"one device.*normalizer on meta")
-for _mode in F.LOSS_AGG_MODES:
+for _mode in F.AGGREGATIONS:
     accept(f"aggregate_loss-{_mode}-empty-batch", "empty-batch",
            lambda mode=_mode: F.aggregate_loss(torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool), mode), exactly_zero)
 refuse("loss_normalizer-unknown-mode", "hyper", lambda: F.loss_normalizer(MASK, "sum"),
-       ValueError, r"loss_agg_mode='sum' is not one of")
+       ValueError, r"aggregation='sum' is not one of")
 refuse("loss_normalizer-scalar-mask", "shape", lambda: F.loss_normalizer(torch.tensor(True)),
        ValueError, r"mask must have a token axis")
 accept("loss_normalizer-empty-batch-is-one", "empty-batch",
@@ -483,15 +483,15 @@ accept("loss_normalizer-empty-batch-is-one", "empty-batch",
 
 # ---- the clipped policy loss ------------------------------------------------
 refuse("ppo_policy_loss-per-sequence-advantage", "shape", lambda: F.ppo_policy_loss(NEW, OLD, ADV[:, 0], MASK, 0.2),
-       ValueError, r"advantages has shape \(2,\) but new_logps has shape \(2, 4\).*broadcast")
+       ValueError, r"advantages has shape \(2,\) but log_prob has shape \(2, 4\).*broadcast")
 refuse("ppo_policy_loss-int-new-logps", "dtype", lambda: F.ppo_policy_loss(NEW.long(), OLD, ADV, MASK, 0.2),
-       TypeError, r"new_logps must be a floating-point tensor")
+       TypeError, r"log_prob must be a floating-point tensor")
 refuse("ppo_policy_loss-mask-2", "mask-values", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK.long() + 1, 0.2),
        ValueError, r"mask must hold only 0 and 1")
 accept("ppo_policy_loss-nan-inf-at-masked", "masked-garbage", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2),
        lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.2)))
 accept("ppo_policy_loss-clip-higher-nan-inf-at-masked", "masked-garbage",
-       lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.1, clip_epsilon_high=0.3),
+       lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, (0.1, 0.3)),
        lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.1, 0.3)))
 accept("ppo_policy_loss-stats-ignore-masked-garbage", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, return_stats=True)[1],
@@ -506,42 +506,42 @@ accept("ppo_policy_loss-fp16-inputs-float32-math", "dtype",
        lambda out: (_assert_dtype(out, torch.float32),
                     close(out, naive_ppo(NEW.half().double(), OLD.half().double(), ADV.half().double(), MASK, 0.2))))
 refuse("ppo_policy_loss-old-logps-on-other-device", "device", lambda: F.ppo_policy_loss(NEW, meta_like(OLD), ADV, MASK, 0.2),
-       ValueError, r"one device.*old_logps on meta")
+       ValueError, r"one device.*sample_log_prob on meta")
 refuse("ppo_policy_loss-clip-0", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.0),
        ValueError, r"clip_epsilon=0\.0 must be a finite number > 0")
 refuse("ppo_policy_loss-clip-nan", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, NAN),
        ValueError, r"clip_epsilon=nan must be a finite number")
-refuse("ppo_policy_loss-clip-high-negative", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, clip_epsilon_high=-0.1),
-       ValueError, r"clip_epsilon_high=-0\.1 must be a finite number > 0")
+refuse("ppo_policy_loss-clip-high-negative", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, (0.2, -0.1)),
+       ValueError, r"clip_epsilon \(high\)=-0\.1 must be a finite number > 0")
 refuse("ppo_policy_loss-dual-clip-below-1", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, dual_clip=0.9),
        ValueError, r"dual_clip=0\.9 must be a finite number > 1.*must exceed 1")
 refuse("ppo_policy_loss-clip-string", "dtype", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, "0.2"),
        TypeError, r"clip_epsilon must be a positive float")
-refuse("ppo_policy_loss-unknown-agg-mode", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, loss_agg_mode="sum"),
-       ValueError, r"loss_agg_mode='sum' is not one of")
+refuse("ppo_policy_loss-unknown-agg-mode", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, aggregation="sum"),
+       ValueError, r"aggregation='sum' is not one of")
 accept("ppo_policy_loss-empty-batch", "empty-batch",
        lambda: F.ppo_policy_loss(*(torch.empty(0, 4),) * 3, torch.empty(0, 4, dtype=torch.bool), 0.2, return_stats=True),
        lambda out: (exactly_zero(out[0]), [exactly_zero(v) for v in out[1].values()]))
 
 refuse("approx_kl-shape", "shape", lambda: F.approx_kl(NEW, OLD[:1], MASK),
-       ValueError, r"old_logps has shape \(1, 4\) but new_logps has shape \(2, 4\)")
+       ValueError, r"sample_log_prob has shape \(1, 4\) but log_prob has shape \(2, 4\)")
 accept("approx_kl-nan-inf-at-masked", "masked-garbage", lambda: F.approx_kl(NEW, OLD, MASK),
        lambda out: close(out, naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])))
 accept("approx_kl-empty-mask", "mask-empty", lambda: F.approx_kl(NEW, OLD, torch.zeros(2, 4, dtype=torch.bool)), exactly_zero)
 
 # ---- reference KL -----------------------------------------------------------
 refuse("kl_estimate-shape", "shape", lambda: F.kl_estimate(NEW, OLD[:1]),
-       ValueError, r"ref_logps has shape \(1, 4\) but logps has shape \(2, 4\)")
+       ValueError, r"ref_log_prob has shape \(1, 4\) but log_prob has shape \(2, 4\)")
 refuse("kl_estimate-int-ref", "dtype", lambda: F.kl_estimate(NEW, OLD.long()),
-       TypeError, r"ref_logps must be a floating-point tensor")
+       TypeError, r"ref_log_prob must be a floating-point tensor")
 refuse("kl_estimate-unknown-estimator", "hyper", lambda: F.kl_estimate(NEW, OLD, "k4"),
        ValueError, r"estimator='k4' is not one of")
 refuse("kl_estimate-clamp-0", "hyper", lambda: F.kl_estimate(NEW, OLD, clamp=0.0),
        ValueError, r"clamp=0\.0 must be a finite number > 0")
 refuse("kl_estimate-ref-on-other-device", "device", lambda: F.kl_estimate(NEW, meta_like(OLD)),
-       ValueError, r"one device.*ref_logps on meta")
+       ValueError, r"one device.*ref_log_prob on meta")
 refuse("reference_kl_penalty-mask-trailing-one", "shape", lambda: F.reference_kl_penalty(NEW, OLD, MASK[..., None]),
-       ValueError, r"mask has shape \(2, 4, 1\) but policy_logps has shape \(2, 4\)")
+       ValueError, r"mask has shape \(2, 4, 1\) but log_prob has shape \(2, 4\)")
 accept("reference_kl_penalty-k3-nan-inf-at-masked", "masked-garbage", lambda: F.reference_kl_penalty(NEW, OLD, MASK),
        lambda out: close(out, naive_k3(NEW, OLD, MASK)))
 accept("reference_kl_penalty-k1-nan-inf-at-masked", "masked-garbage",
@@ -549,8 +549,8 @@ accept("reference_kl_penalty-k1-nan-inf-at-masked", "masked-garbage",
        lambda out: close(out, naive_mean([n - o for n, o in zip(valid(NEW), valid(OLD))])))
 accept("reference_kl_penalty-empty-mask", "mask-empty",
        lambda: F.reference_kl_penalty(NEW, OLD, torch.zeros(2, 4, dtype=torch.bool)), exactly_zero)
-refuse("reference_kl_penalty-unknown-agg-mode", "hyper", lambda: F.reference_kl_penalty(NEW, OLD, MASK, loss_agg_mode="x"),
-       ValueError, r"loss_agg_mode='x' is not one of")
+refuse("reference_kl_penalty-unknown-agg-mode", "hyper", lambda: F.reference_kl_penalty(NEW, OLD, MASK, aggregation="x"),
+       ValueError, r"aggregation='x' is not one of")
 
 # ---- the clipped value loss -------------------------------------------------
 refuse("clipped_value_loss-returns-trailing-one", "shape", lambda: F.clipped_value_loss(VAL, VAL, RET[..., None], MASK, 0.2),
@@ -566,7 +566,7 @@ accept("clipped_value_loss-empty-mask", "mask-empty",
 refuse("clipped_value_loss-returns-on-other-device", "device", lambda: F.clipped_value_loss(VAL, VAL, meta_like(RET), MASK, 0.2),
        ValueError, r"one device.*returns on meta")
 refuse("clipped_value_loss-cliprange-negative", "hyper", lambda: F.clipped_value_loss(VAL, VAL, RET, MASK, -0.2),
-       ValueError, r"cliprange_value=-0\.2 must be a finite number > 0")
+       ValueError, r"clip_value=-0\.2 must be a finite number > 0")
 
 # ---- more devices and the readable GAE loop ---------------------------------
 refuse("explained_variance-returns-on-other-device", "device", lambda: F.explained_variance(VAL, meta_like(RET), MASK),
@@ -574,13 +574,13 @@ refuse("explained_variance-returns-on-other-device", "device", lambda: F.explain
 refuse("approx_kl-mask-on-other-device", "device", lambda: F.approx_kl(NEW, OLD, meta_like(MASK)),
        ValueError, r"one device.*mask on meta")
 refuse("reference_kl_penalty-ref-on-other-device", "device", lambda: F.reference_kl_penalty(NEW, meta_like(OLD), MASK),
-       ValueError, r"one device.*ref_logps on meta")
+       ValueError, r"one device.*ref_log_prob on meta")
 refuse("loss_normalizer-mask-2", "mask-values", lambda: F.loss_normalizer(MASK.long() * 2),
        ValueError, r"mask must hold only 0 and 1")
 refuse("masked_gae_reference-mask-shape", "shape", lambda: F.masked_gae_reference(REW, VAL, MASK[:1], 1.0, 0.95),
        ValueError, r"mask has shape \(1, 4\) but token_rewards has shape \(2, 4\)")
 refuse("masked_gae_reference-lam-2", "hyper", lambda: F.masked_gae_reference(REW, VAL, MASK, 1.0, 2.0),
-       ValueError, r"lam=2\.0 is outside \[0, 1\]")
+       ValueError, r"lmbda=2\.0 is outside \[0, 1\]")
 accept("masked_gae_reference-nan-inf-at-masked-whitened", "masked-garbage",
        lambda: F.masked_gae_reference(REW, VAL, MASK, 0.99, 0.9),
        lambda out: (close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 0.99, 0.9)[0], MASK)),
@@ -717,25 +717,25 @@ def _check_ppo_garbage(out):
 refuse("TokenPPOLoss-no-actor", "missing-key", lambda: TokenPPOLoss(None, None),
        TypeError, r"needs an actor_network")
 refuse("TokenPPOLoss-clip-epsilon-0", "hyper", lambda: ppo_loss(clip_epsilon=0.0),
-       ValueError, r"clip_epsilon \(low\)=0\.0 must be a finite number > 0")
+       ValueError, r"clip_epsilon=0\.0 must be a finite number > 0")
 refuse("TokenPPOLoss-clip-epsilon-triple", "hyper", lambda: ppo_loss(clip_epsilon=(0.1, 0.2, 0.3)),
        ValueError, r"clip_epsilon=\(0\.1, 0\.2, 0\.3\): give one float.*or a pair")
 refuse("TokenPPOLoss-dual-clip-1", "hyper", lambda: ppo_loss(dual_clip=1.0),
        ValueError, r"dual_clip=1\.0 must be a finite number > 1")
 refuse("TokenPPOLoss-unknown-kl-estimator", "hyper", lambda: ppo_loss(kl_estimator="kl"),
        ValueError, r"kl_estimator='kl' is not one of")
-refuse("TokenPPOLoss-unknown-agg-mode", "hyper", lambda: ppo_loss(loss_agg_mode="seq-mean"),
-       ValueError, r"loss_agg_mode='seq-mean' is not one of")
+refuse("TokenPPOLoss-unknown-agg-mode", "hyper", lambda: ppo_loss(aggregation="seq-mean"),
+       ValueError, r"aggregation='seq-mean' is not one of")
 refuse("TokenPPOLoss-clip-value-0", "hyper", lambda: ppo_loss(clip_value=0.0),
        ValueError, r"clip_value=0\.0 must be a finite number > 0")
 refuse("TokenPPOLoss-critic-coeff-negative", "hyper", lambda: ppo_loss(critic_coeff=-0.5),
        ValueError, r"critic_coeff=-0\.5 must be a float >= 0")
-refuse("TokenPPOLoss-kl-coeff-nan", "hyper", lambda: ppo_loss(kl_coeff=NAN),
-       ValueError, r"kl_coeff=nan must be a (finite )?float")
+refuse("TokenPPOLoss-kl-coeff-nan", "hyper", lambda: ppo_loss(kl_to_ref_coeff=NAN),
+       ValueError, r"kl_to_ref_coeff=nan must be a (finite )?float")
 refuse("TokenPPOLoss-missing-sample-log-prob", "missing-key", lambda: ppo_loss()(ppo_td(drop=["sample_log_prob"])),
        KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(sample_log_prob=")
-refuse("TokenPPOLoss-missing-ref-log-prob", "missing-key", lambda: ppo_loss(kl_coeff=0.02)(ppo_td(drop=["ref_log_prob"])),
-       KeyError, r"no 'ref_log_prob' \(reference log-probs\); needed because kl_coeff > 0")
+refuse("TokenPPOLoss-missing-ref-log-prob", "missing-key", lambda: ppo_loss(kl_to_ref_coeff=0.02)(ppo_td(drop=["ref_log_prob"])),
+       KeyError, r"no 'ref_log_prob' \(reference log-probs\); needed because kl_to_ref_coeff > 0")
 refuse("TokenPPOLoss-missing-value-target", "missing-key", lambda: ppo_loss()(ppo_td(drop=["value_target"])),
        KeyError, r"no 'value_target' \(value target\); run the value estimator")
 refuse("TokenPPOLoss-missing-rollout-values", "missing-key", lambda: ppo_loss(clip_value=0.2)(ppo_td(drop=["state_value"])),
@@ -748,13 +748,13 @@ refuse("TokenPPOLoss-entropy-coeff-without-entropy-output", "missing-key",
 refuse("TokenPPOLoss-per-sequence-advantage", "shape", lambda: ppo_loss()(ppo_td(batch=(2,), advantage=ADV[:, 0])),
        ValueError, r"advantage 'advantage' has shape \(2,\).*Broadcasting it would mix")
 refuse("TokenPPOLoss-int-sample-log-prob", "dtype", lambda: ppo_loss()(ppo_td(sample_log_prob=torch.zeros(2, 4, dtype=torch.long))),
-       TypeError, r"old_logps must be a floating-point tensor")
+       TypeError, r"sample_log_prob must be a floating-point tensor")
 refuse("TokenPPOLoss-mask-0.5", "mask-values", lambda: ppo_loss()(ppo_td(mask=torch.full((2, 4), 0.5))),
        ValueError, r"mask must hold only 0 and 1")
 accept("TokenPPOLoss-nan-inf-at-masked", "masked-garbage",
-       lambda: ppo_loss(clip_value=0.2, kl_coeff=0.02, entropy_coeff=0.01)(ppo_td()), _check_ppo_garbage)
+       lambda: ppo_loss(clip_value=0.2, kl_to_ref_coeff=0.02, entropy_coeff=0.01)(ppo_td()), _check_ppo_garbage)
 accept("TokenPPOLoss-empty-mask-all-terms-zero", "mask-empty",
-       expecting_warning(lambda: ppo_loss(clip_value=0.2, kl_coeff=0.02, entropy_coeff=0.01)(
+       expecting_warning(lambda: ppo_loss(clip_value=0.2, kl_to_ref_coeff=0.02, entropy_coeff=0.01)(
            ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))), r"no valid token"),
        lambda out: [exactly_zero(out[k].detach()) for k in ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy",
                                                             "clip_fraction", "kl_approx", "entropy", "explained_variance")])
@@ -1281,7 +1281,7 @@ def _ppo_update_on(llm, P=4, R=4):
 
     torch.manual_seed(0)
     ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=P + R), P)
-    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False)
     opts = (torch.optim.AdamW(ac.actor_parameters()), torch.optim.AdamW(ac.critic_parameters()))
     before = [p.detach().clone() for p in ac.actor_parameters()]
     stats = T.ppo_update(llm, loss, ac, opts, T.TrainConfig(), torch.Generator().manual_seed(0))
@@ -1300,7 +1300,7 @@ def _check_no_update(out):
 
 refuse("train-gamma-1.5", "hyper", lambda: _train(gamma=1.5), ValueError, r"gamma=1\.5 is outside \[0, 1\]")
 refuse("train-clip-epsilon-0", "hyper", lambda: _train(clip_epsilon=0.0), ValueError, r"clip_epsilon.*=0\.0 must be a finite number > 0")
-refuse("train-negative-kl-coef", "hyper", lambda: _train(kl_coef=-0.1), ValueError, r"coeff=-0\.1 must be a float >= 0")
+refuse("train-negative-kl-coef", "hyper", lambda: _train(kl_reward_coeff=-0.1), ValueError, r"coeff=-0\.1 must be a float >= 0")
 refuse("train-zero-digits", "hyper", lambda: _train(digits=0), ValueError, r"num_digits=0 must be an int in \[1, 9\]")
 refuse("train-zero-envs", "hyper", lambda: _train(num_envs=0), ValueError, r"num_envs=0 must be an int >= 1")
 refuse("train-zero-minibatches", "hyper", lambda: _train(minibatches=0), ValueError, r"minibatches=0")
@@ -1379,7 +1379,7 @@ def _torchrl_gae_on_response_layout():
     from torchrl.objectives.utils import ValueEstimators
 
     ac = _factory()
-    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0)
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_to_ref_coeff=0.0)
     loss.make_value_estimator(ValueEstimators.GAE, gamma=1.0, lmbda=0.95)
     llm = _llm_batch(2, drop=["advantage", "value_target"])
     llm.set(("next", "reward"), torch.zeros(2, 4))
@@ -1476,14 +1476,14 @@ refuse("TokenPPOLoss-raw-collector-batch", "layout", _loss_on_raw_collector_batc
        KeyError, r"no 'input_ids' \(an input of the actor_network.*raw collector batch.*"
                  r"trajectories_to_llm_batch\(batch, prompt_len, max_new_tokens\)")
 refuse("TokenPPOLoss-actor-input-missing", "missing-key",
-       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_coeff=0.0)(_llm_batch(2, drop=["input_ids"])),
+       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_to_ref_coeff=0.0)(_llm_batch(2, drop=["input_ids"])),
        KeyError, r"no 'input_ids' \(an input of the actor_network, whose in_keys are \['input_ids', 'attention_mask'\]\); "
                  r"give the batch every entry the actor_network reads")
 refuse("TokenPPOLoss-critic-input-missing", "missing-key", lambda: _loss_with_critic_reading("prev_tokens"),
        KeyError, r"no 'prev_tokens' \(an input of the critic_network, whose in_keys are \['prev_tokens'\]\)")
 # 8. a TensorDict without a batch dimension
 refuse("TokenPPOLoss-no-batch-dimension", "shape",
-       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_coeff=0.0)(_llm_batch(1)[0]),
+       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_to_ref_coeff=0.0)(_llm_batch(1)[0]),
        ValueError, r"TokenPPOLoss: the TensorDict has batch_size=\(\) \(no batch dimension\); expected \[B\].*td\.unsqueeze\(0\)")
 refuse("ResponseLogProbs-no-batch-dimension", "shape", lambda: _factory().actor(_llm_batch(1)[0]),
        ValueError, r"ResponseLogProbs: input_ids has shape \(8,\) but \[B, P \+ R\] is expected.*batch_size=\[B\].*td\.unsqueeze\(0\)")
@@ -1561,20 +1561,20 @@ refuse("KLPenaltyTransform-after-GAE", "composition",
        lambda: KLPenaltyTransform(coeff=0.1)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True)),
        ValueError, r"already holds 'advantage'.*run KLPenaltyTransform before MaskedGAE")
 refuse("kl_estimate-probabilities", "composition", lambda: F.kl_estimate(torch.tensor([[0.5, 0.25]]), torch.tensor([[-0.2, -1.0]])),
-       ValueError, r"logps holds no negative value \(max 0\.5\), but log-probabilities are <= 0: pass log-probs")
+       ValueError, r"log_prob holds no negative value \(max 0\.5\), but log-probabilities are <= 0: pass log-probs")
 refuse("TokenPPOLoss-no-reference-log-probs", "missing-key",
        lambda: _kit_loss(False)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True,
                                                       with_ref_log_prob=False)),
-       KeyError, r"ref_log_prob.*run KLPenaltyTransform\(ref\) on the batch first.*frozen_reference.*kl_coeff=0\.0")
+       KeyError, r"ref_log_prob.*run KLPenaltyTransform\(ref\) on the batch first.*frozen_reference.*kl_to_ref_coeff=0\.0")
 refuse("TokenPPOLoss-critic-free-without-advantage", "missing-key",
-       lambda: _kit_loss(False, kl_coeff=0.0)(_kit().response_batch(batch_size=2, response_len=3)),
+       lambda: _kit_loss(False, kl_to_ref_coeff=0.0)(_kit().response_batch(batch_size=2, response_len=3)),
        KeyError, r"has no critic and the batch has no 'advantage'.*GroupAdvantage")
 refuse("TokenPPOLoss-critic-with-GroupAdvantage", "composition",
        lambda: _kit_loss(True).make_value_estimator(__import__("ppo_objectives").GroupAdvantage("grpo")),
        ValueError, r"GroupAdvantage has no critic .* would regress the critic onto advantages.*TokenPPOLoss\(actor, None")
 warns("TokenPPOLoss-dr-grpo-token-mean", "composition",
       lambda: _kit_loss(False).make_value_estimator(__import__("ppo_objectives").GroupAdvantage("dr_grpo")),
-      UserWarning, r"defined with loss_agg_mode='token-sum-norm'")
+      UserWarning, r"defined with aggregation='token-sum-norm'")
 warns("GroupAdvantage-every-group-a-singleton", "composition", _singleton_groups,
       UserWarning, r"every group in this batch of 4 responses has one response.*group_size")
 refuse("frozen_reference-of-the-read-out", "composition",

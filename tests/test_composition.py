@@ -112,7 +112,7 @@ def test_replay_buffer_minibatches_train_the_loss_for_several_epochs():
 
 def test_adaptive_kl_controller_follows_the_losses_kl_ref():
     actor, critic, reference = make_nets(seed=1)
-    loss = TokenPPOLoss(actor, critic, kl_coeff=0.1)
+    loss = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.1)
     ctl = AdaptiveKLController(init_coeff=0.1, target=1e-6, horizon=B)
     optim = torch.optim.SGD(loss.parameters(), lr=0.5)
     batch = rollout(actor, critic, reference, seed=1)
@@ -121,9 +121,9 @@ def test_adaptive_kl_controller_follows_the_losses_kl_ref():
         optim.zero_grad()
         sum(v for k, v in out.items() if k.startswith("loss_")).backward()
         optim.step()
-        loss.kl_coeff.copy_(ctl.update(loss(batch)["kl_ref"], n_steps=B))  # schedulable buffer, no host sync
-    assert float(loss.kl_coeff) > 0.1  # KL above target: the penalty grew
-    assert float(loss.kl_coeff) == pytest.approx(float(ctl.coeff))
+        loss.kl_to_ref_coeff.copy_(ctl.update(loss(batch)["kl_ref"], n_steps=B))  # schedulable buffer, no host sync
+    assert float(loss.kl_to_ref_coeff) > 0.1  # KL above target: the penalty grew
+    assert float(loss.kl_to_ref_coeff) == pytest.approx(float(ctl.coeff))
 
 
 def test_input_batch_survives_the_whole_pipeline_unchanged():

@@ -64,14 +64,14 @@ def _shard(data, rank):
 
 
 def _losses(d, pg, mode, params):
-    """Total loss with global normalisation; params = (new_logps, values) leaf tensors."""
+    """Total loss with global normalisation; params = (log_prob, values) leaf tensors."""
     new, vnew = params
     m = d["mask"]
     norm = loss_normalizer(m, mode, process_group=pg)
     adv, ret = masked_gae(d["r"], d["v"], m, 1.0, 0.95, process_group=pg)
-    pol = ppo_policy_loss(new, d["old"], adv, m, 0.2, loss_agg_mode=mode, normalizer=norm)
-    kl = reference_kl_penalty(new, d["ref"], m, loss_agg_mode=mode, normalizer=norm)
-    val = clipped_value_loss(vnew, d["v"], ret, m, 0.2, loss_agg_mode=mode, normalizer=norm)
+    pol = ppo_policy_loss(new, d["old"], adv, m, 0.2, aggregation=mode, normalizer=norm)
+    kl = reference_kl_penalty(new, d["ref"], m, aggregation=mode, normalizer=norm)
+    val = clipped_value_loss(vnew, d["v"], ret, m, 0.2, aggregation=mode, normalizer=norm)
     return pol + 0.02 * kl + 0.5 * val, adv
 
 

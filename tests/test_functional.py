@@ -36,7 +36,7 @@ from ppo_objectives.functional import (
 # --------------------------------------------------------------------------- #
 
 
-def naive_gae_row(r, v, m, gamma, lam, boot=0.0):
+def naive_gae_row(r, v, m, gamma, lmbda, boot=0.0):
     """GAE over the valid tokens of one row, as lists: pick valid entries, recurse, put back."""
     idx = [t for t in range(len(r)) if m[t]]
     rr = [float(r[t]) for t in idx]
@@ -46,7 +46,7 @@ def naive_gae_row(r, v, m, gamma, lam, boot=0.0):
     for k in reversed(range(len(idx))):
         nv = vv[k + 1] if k + 1 < len(idx) else boot
         delta = rr[k] + gamma * nv - vv[k]
-        nxt_a = delta + gamma * lam * nxt_a
+        nxt_a = delta + gamma * lmbda * nxt_a
         adv[k] = nxt_a
     out = [0.0] * len(r)
     for k, t in enumerate(idx):
@@ -54,13 +54,13 @@ def naive_gae_row(r, v, m, gamma, lam, boot=0.0):
     return out
 
 
-def naive_gae(r, v, m, gamma, lam, normalize=True, boot=None):
+def naive_gae(r, v, m, gamma, lmbda, average_gae=True, boot=None):
     B, R = r.shape
-    adv = [naive_gae_row(r[b].tolist(), v[b].tolist(), m[b].tolist(), gamma, lam, 0.0 if boot is None else float(boot[b])) for b in range(B)]
+    adv = [naive_gae_row(r[b].tolist(), v[b].tolist(), m[b].tolist(), gamma, lmbda, 0.0 if boot is None else float(boot[b])) for b in range(B)]
     adv = torch.tensor(adv, dtype=torch.float64)
     mb = m.bool()
     ret = torch.where(mb, adv + torch.where(mb, v.double(), 0.0), 0.0)
-    if normalize:
+    if average_gae:
         vals = [adv[b, t].item() for b in range(B) for t in range(R) if mb[b, t]]
         n = len(vals)
         mean = sum(vals) / n if n else 0.0
@@ -69,7 +69,7 @@ def naive_gae(r, v, m, gamma, lam, normalize=True, boot=None):
     return adv, ret
 
 
-def minimind_gae(token_rewards, values, mask, gamma, lam):
+def minimind_gae(token_rewards, values, mask, gamma, lmbda):
     """MiniMind's PPO-stage arithmetic, transcribed: values zeroed at padding, plain loop, masked whitening."""
     old_resp_values = values * mask
     gen_len = values.size(1)
@@ -78,7 +78,7 @@ def minimind_gae(token_rewards, values, mask, gamma, lam):
     for t in reversed(range(gen_len)):
         nv = old_resp_values[:, t + 1] if t < gen_len - 1 else 0.0
         delta = token_rewards[:, t] + gamma * nv - old_resp_values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
+        lastgaelam = delta + gamma * lmbda * lastgaelam
         advs_rev.append(lastgaelam)
     advantages = torch.stack(advs_rev[::-1], dim=1)
     returns = advantages + old_resp_values
@@ -261,19 +261,19 @@ def test_value_checks_context_skips_mask_value_check_and_restores():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", MASKS)
-@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5), (0.0, 0.3), (1.0, 1.0), (0.7, 0.0)])
+@pytest.mark.parametrize("gamma,lmbda", [(1.0, 0.95), (0.9, 0.5), (0.0, 0.3), (1.0, 1.0), (0.7, 0.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fn", [masked_gae, masked_gae_reference], ids=["fast", "loop"])
-def test_masked_gae_equals_naive_reference_over_grid(fn, shape, kind, gamma, lam, dtype, device):
+def test_masked_gae_equals_naive_reference_over_grid(fn, shape, kind, gamma, lmbda, dtype, device):
     g = torch.Generator().manual_seed(hash((shape, kind)) % 1000)
     r = torch.randn(shape, generator=g, dtype=torch.float64)
     v = torch.randn(shape, generator=g, dtype=torch.float64)
     m = make_mask(kind, shape, g)
     R = shape[-1]
-    want_adv, want_ret = naive_gae(r.reshape(-1, R), v.reshape(-1, R), m.reshape(-1, R), gamma, lam)
+    want_adv, want_ret = naive_gae(r.reshape(-1, R), v.reshape(-1, R), m.reshape(-1, R), gamma, lmbda)
     rd = torch.where(m, r, float("nan")).to(dtype).to(device)
     vd = torch.where(m, v, float("inf")).to(dtype).to(device)
-    adv, ret = fn(rd, vd, m.to(device), gamma, lam)
+    adv, ret = fn(rd, vd, m.to(device), gamma, lmbda)
     assert adv.shape == shape and adv.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(adv.cpu().double().reshape(-1, R), want_adv, atol=tol, rtol=tol)
@@ -298,7 +298,7 @@ def test_masked_gae_bootstrap_value_continues_truncated_rows(device):
     r = torch.tensor([[1.0, 0.0]], device=device)
     v = torch.tensor([[0.5, 9.0]], device=device)
     m = torch.tensor([[True, False]], device=device)
-    adv, ret = masked_gae(r, v, m, 0.5, 1.0, normalize=False, bootstrap_value=torch.tensor([2.0], device=device))
+    adv, ret = masked_gae(r, v, m, 0.5, 1.0, average_gae=False, bootstrap_value=torch.tensor([2.0], device=device))
     assert adv.cpu().tolist() == [[1.5, 0.0]]
     assert ret.cpu().tolist() == [[2.0, 0.0]]
 
@@ -309,20 +309,20 @@ def test_masked_gae_bootstrap_equals_naive(kind):
     r, v = torch.randn(2, 3, 9, generator=g).double(), torch.randn(2, 3, 9, generator=g).double()
     m = make_mask(kind, (2, 3, 9), g)
     boot = torch.randn(2, 3, generator=g).double()
-    want, _ = naive_gae(r.reshape(-1, 9), v.reshape(-1, 9), m.reshape(-1, 9), 0.9, 0.8, normalize=False, boot=boot.reshape(-1))
+    want, _ = naive_gae(r.reshape(-1, 9), v.reshape(-1, 9), m.reshape(-1, 9), 0.9, 0.8, average_gae=False, boot=boot.reshape(-1))
     for fn in (masked_gae, masked_gae_reference):
-        adv, _ = fn(r, v, m, 0.9, 0.8, normalize=False, bootstrap_value=boot)
+        adv, _ = fn(r, v, m, 0.9, 0.8, average_gae=False, bootstrap_value=boot)
         torch.testing.assert_close(adv.reshape(-1, 9), want)
 
 
 def test_masked_gae_golden_case_with_hole():
-    # valid tokens at t = 0, 2 (t = 1 is a hole, e.g. a tool token); gamma = 1, lam = 0.5
+    # valid tokens at t = 0, 2 (t = 1 is a hole, e.g. a tool token); gamma = 1, lmbda = 0.5
     # t=2: delta = 1 + 0 - 0.5 = 0.5, A = 0.5
     # t=0: next valid value is V_2 = 0.5 -> delta = 0 + 0.5 - 0.25 = 0.25, A = 0.25 + 0.5 * 0.5 = 0.5
     r = torch.tensor([[0.0, 123.0, 1.0]])
     v = torch.tensor([[0.25, float("nan"), 0.5]])
     m = torch.tensor([[1, 0, 1]])
-    adv, ret = masked_gae(r, v, m, 1.0, 0.5, normalize=False)
+    adv, ret = masked_gae(r, v, m, 1.0, 0.5, average_gae=False)
     assert adv.tolist() == [[0.5, 0.0, 0.5]]
     assert ret.tolist() == [[0.75, 0.0, 1.0]]
 
@@ -331,7 +331,7 @@ def test_masked_gae_lam_zero_gives_td_error():
     g = torch.Generator().manual_seed(7)
     r, v = torch.randn(3, 6, generator=g).double(), torch.randn(3, 6, generator=g).double()
     m = torch.ones(3, 6, dtype=torch.bool)
-    adv, _ = masked_gae(r, v, m, 0.9, 0.0, normalize=False)
+    adv, _ = masked_gae(r, v, m, 0.9, 0.0, average_gae=False)
     nv = torch.cat([v[:, 1:], torch.zeros(3, 1, dtype=torch.float64)], 1)
     torch.testing.assert_close(adv, r + 0.9 * nv - v)
 
@@ -340,7 +340,7 @@ def test_masked_gae_gamma_lam_one_gives_reward_to_go_minus_value():
     g = torch.Generator().manual_seed(8)
     r, v = torch.randn(3, 6, generator=g).double(), torch.randn(3, 6, generator=g).double()
     m = torch.ones(3, 6, dtype=torch.bool)
-    adv, ret = masked_gae(r, v, m, 1.0, 1.0, normalize=False)
+    adv, ret = masked_gae(r, v, m, 1.0, 1.0, average_gae=False)
     rtg = r.flip(-1).cumsum(-1).flip(-1)
     torch.testing.assert_close(adv, rtg - v)
     torch.testing.assert_close(ret, rtg)
@@ -392,7 +392,7 @@ def naive_aggregate(L, m, mode):
     return sum(seqs) / len(seqs) if seqs else 0.0
 
 
-@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", F.AGGREGATIONS)
 @pytest.mark.parametrize("kind", MASKS)
 def test_aggregate_loss_equals_naive(mode, kind, device):
     g = torch.Generator().manual_seed(9)
@@ -402,7 +402,7 @@ def test_aggregate_loss_equals_naive(mode, kind, device):
     assert got.item() == pytest.approx(naive_aggregate(L, m, mode))
 
 
-@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", F.AGGREGATIONS)
 def test_aggregate_loss_is_numerator_over_loss_normalizer(mode):
     g = torch.Generator().manual_seed(17)
     L = torch.randn(4, 6, generator=g, dtype=torch.float64)
@@ -411,7 +411,7 @@ def test_aggregate_loss_is_numerator_over_loss_normalizer(mode):
     torch.testing.assert_close(aggregate_loss(L, m, mode, normalizer=2 * n) * 2, aggregate_loss(L, m, mode))
 
 
-@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", F.AGGREGATIONS)
 @pytest.mark.parametrize("kind", ["right", "holes"])
 def test_gradient_of_one_step_is_the_same_over_1_2_or_4_micro_batches(mode, kind):
     # gradient accumulation: each micro-batch's loss divided by the whole step's normalizer
@@ -439,7 +439,7 @@ def test_aggregate_loss_flattens_leading_dims():
     g = torch.Generator().manual_seed(10)
     L = torch.randn(2, 3, 4, generator=g)
     m = torch.rand(2, 3, 4, generator=g) > 0.5
-    for mode in F.LOSS_AGG_MODES:
+    for mode in F.AGGREGATIONS:
         torch.testing.assert_close(aggregate_loss(L, m, mode), aggregate_loss(L.reshape(6, 4), m.reshape(6, 4), mode))
 
 
@@ -476,7 +476,7 @@ def test_ppo_policy_loss_equals_naive(kind, eps_hi, dual, device):
     nan = float("nan")
     got = ppo_policy_loss(
         torch.where(m, new, nan).to(device), torch.where(m, old, nan).to(device), torch.where(m, adv, nan).to(device),
-        m.to(device), 0.2, clip_epsilon_high=eps_hi, dual_clip=dual,
+        m.to(device), 0.2 if eps_hi is None else (0.2, eps_hi), dual_clip=dual,
     )
     assert got.item() == pytest.approx(naive_policy_loss(new, old, adv, m, 0.2, eps_hi, dual))
 
@@ -657,7 +657,7 @@ def test_garbage_at_masked_positions_changes_nothing(seed, garbage):
             clipped_value_loss(a, b, c, m, 0.2),
             masked_whiten(d, m),
             explained_variance(a, b, m),
-            *[aggregate_loss(d, m, mode) for mode in F.LOSS_AGG_MODES],
+            *[aggregate_loss(d, m, mode) for mode in F.AGGREGATIONS],
         ]
 
     for clean_out, dirty_out in zip(everything(*xs), everything(*dirty)):
@@ -686,10 +686,10 @@ def test_losses_pass_gradcheck_float64():
     old = torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1
     adv, ret, ref = (torch.randn(2, 4, generator=g, dtype=torch.float64) for _ in range(3))
     m = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
-    for mode in F.LOSS_AGG_MODES:
-        assert torch.autograd.gradcheck(lambda x: ppo_policy_loss(x, old, adv, m, 0.5, loss_agg_mode=mode), (new,))
-        assert torch.autograd.gradcheck(lambda x: reference_kl_penalty(x, ref, m, loss_agg_mode=mode), (new,))
-        assert torch.autograd.gradcheck(lambda x: clipped_value_loss(x, x.detach() + 0.05, ret, m, 1.0, loss_agg_mode=mode), (vals,))
+    for mode in F.AGGREGATIONS:
+        assert torch.autograd.gradcheck(lambda x: ppo_policy_loss(x, old, adv, m, 0.5, aggregation=mode), (new,))
+        assert torch.autograd.gradcheck(lambda x: reference_kl_penalty(x, ref, m, aggregation=mode), (new,))
+        assert torch.autograd.gradcheck(lambda x: clipped_value_loss(x, x.detach() + 0.05, ret, m, 1.0, aggregation=mode), (vals,))
 
 
 def test_half_precision_inputs_compute_in_float32():
@@ -712,7 +712,7 @@ x3 = torch.zeros(2, 3)
 m3 = torch.ones(2, 3, dtype=torch.bool)
 
 BAD = [
-    ("shape mismatch", lambda: ppo_policy_loss(x3, torch.zeros(2, 4), x3, m3, 0.2), ValueError, r"old_logps has shape \(2, 4\).*identical shapes"),
+    ("shape mismatch", lambda: ppo_policy_loss(x3, torch.zeros(2, 4), x3, m3, 0.2), ValueError, r"sample_log_prob has shape \(2, 4\).*identical shapes"),
     ("broadcastable shape", lambda: masked_gae(x3, torch.zeros(1, 3), m3, 1.0, 0.95), ValueError, r"values has shape \(1, 3\)"),
     ("mask shape", lambda: masked_mean(x3, torch.ones(3, dtype=torch.bool)), ValueError, r"mask has shape \(3,\).*no broadcasting"),
     ("non-float values", lambda: masked_gae(x3, torch.zeros(2, 3, dtype=torch.long), m3, 1.0, 0.9), TypeError, r"values must be a floating-point tensor"),
@@ -720,22 +720,22 @@ BAD = [
     ("non-binary mask", lambda: masked_whiten(x3, torch.full((2, 3), 0.5)), ValueError, r"mask must hold only 0 and 1.*0.5"),
     ("complex mask", lambda: masked_mean(x3, torch.ones(2, 3, dtype=torch.complex64)), TypeError, r"mask must be bool"),
     ("gamma > 1", lambda: masked_gae(x3, x3, m3, 1.5, 0.9), ValueError, r"gamma=1.5 is outside \[0, 1\]"),
-    ("lam < 0", lambda: masked_gae_reference(x3, x3, m3, 0.9, -0.1), ValueError, r"lam=-0.1 is outside \[0, 1\]"),
+    ("lmbda < 0", lambda: masked_gae_reference(x3, x3, m3, 0.9, -0.1), ValueError, r"lmbda=-0.1 is outside \[0, 1\]"),
     ("gamma tensor out of range", lambda: masked_gae(x3, x3, m3, torch.tensor(2.0), 0.9), ValueError, r"gamma=2.0"),
     ("gamma wrong type", lambda: masked_gae(x3, x3, m3, "0.9", 0.9), TypeError, r"gamma must be a float"),
     ("bootstrap shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, bootstrap_value=torch.zeros(3)), ValueError, r"bootstrap_value has shape \(3,\).*\[\*B\] = \(2,\)"),
     ("backend", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, backend="cuda"), ValueError, r"backend='cuda' is not one of"),
     ("scalar rewards", lambda: masked_gae(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(True), 1.0, 0.9), ValueError, r"time axis"),
     ("clip_epsilon <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.0), ValueError, r"clip_epsilon=0.0 must be a finite number > 0"),
-    ("clip_epsilon_high <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, clip_epsilon_high=-1.0), ValueError, r"clip_epsilon_high=-1.0"),
+    ("clip_epsilon high <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, (0.2, -1.0)), ValueError, r"clip_epsilon \(high\)=-1.0"),
     ("dual clip <= 1", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, dual_clip=0.5), ValueError, r"dual_clip=0.5.*must exceed 1"),
     ("clip wrong type", lambda: ppo_policy_loss(x3, x3, x3, m3, None), TypeError, r"clip_epsilon must be a positive float"),
-    ("cliprange_value", lambda: clipped_value_loss(x3, x3, x3, m3, -0.2), ValueError, r"cliprange_value=-0.2"),
-    ("agg mode", lambda: aggregate_loss(x3, m3, "mean"), ValueError, r"loss_agg_mode='mean' is not one of"),
+    ("clip_value", lambda: clipped_value_loss(x3, x3, x3, m3, -0.2), ValueError, r"clip_value=-0.2"),
+    ("agg mode", lambda: aggregate_loss(x3, m3, "mean"), ValueError, r"aggregation='mean' is not one of"),
     ("agg scalar", lambda: aggregate_loss(torch.tensor(1.0), torch.tensor(True)), ValueError, r"token axis"),
     ("kl estimator", lambda: kl_estimate(x3, x3, "k4"), ValueError, r"estimator='k4' is not one of"),
     ("kl clamp", lambda: kl_estimate(x3, x3, "k3", clamp=0.0), ValueError, r"clamp=0.0"),
-    ("kl shape", lambda: reference_kl_penalty(x3, torch.zeros(3, 2), m3), ValueError, r"ref_logps has shape \(3, 2\)"),
+    ("kl shape", lambda: reference_kl_penalty(x3, torch.zeros(3, 2), m3), ValueError, r"ref_log_prob has shape \(3, 2\)"),
     ("whiten eps", lambda: masked_whiten(x3, m3, eps=0.0), ValueError, r"eps=0.0"),
     ("prompt_lens 2-D", lambda: response_logp_positions(torch.ones(2, 2, dtype=torch.long), 3), ValueError, r"prompt_lens must be 1-D"),
     ("prompt_lens float", lambda: response_logp_positions(torch.ones(2), 3), TypeError, r"prompt_lens must be an integer tensor"),
@@ -751,10 +751,10 @@ BAD = [
     ("explained variance shapes", lambda: explained_variance(x3, torch.zeros(3, 2), m3), ValueError, r"returns has shape"),
     ("normalizer tensor shape", lambda: aggregate_loss(x3, m3, normalizer=torch.ones(2)), TypeError, r"normalizer must be a positive float or a one-element float tensor"),
     ("normalizer <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, normalizer=0.0), ValueError, r"normalizer=0.0 must be a finite number > 0"),
-    ("normalizer mode", lambda: loss_normalizer(m3, "sum"), ValueError, r"loss_agg_mode='sum' is not one of"),
+    ("normalizer mode", lambda: loss_normalizer(m3, "sum"), ValueError, r"aggregation='sum' is not one of"),
     ("normalizer scalar mask", lambda: loss_normalizer(torch.tensor(True)), ValueError, r"token axis"),
     ("process_group with dim", lambda: masked_mean(x3, m3, dim=-1, process_group=object()), ValueError, r"process_group needs dim=None"),
-    ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"old_logps has shape"),
+    ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"sample_log_prob has shape"),
     ("done shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.zeros(2, 1, dtype=torch.bool)), ValueError, r"done has shape \(2, 1\) but token_rewards has shape \(2, 3\)"),
     ("done non-binary", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.full((2, 3), 2.0)), ValueError, r"done must hold only 0 and 1 \(True = the trajectory ends at this step\)"),
     ("terminated not a tensor", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, terminated=[True]), TypeError, r"terminated must be a torch.Tensor"),
@@ -796,7 +796,7 @@ def test_empty_batches_and_empty_responses_give_zeros(shape):
     assert reference_kl_penalty(x, x, m).item() == 0.0
     assert clipped_value_loss(x, x, x, m, 0.2).item() == 0.0
     assert masked_whiten(x, m).shape == shape
-    for mode in F.LOSS_AGG_MODES:
+    for mode in F.AGGREGATIONS:
         assert aggregate_loss(x, m, mode).item() == 0.0
 
 

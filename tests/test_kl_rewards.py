@@ -186,7 +186,7 @@ def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, c
     ref = -3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
     old = (logp.detach() + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)) if weighted else None
     ref[0, 0], logp.data[0, 0] = 3.0, 0.0  # k3 = e^3 - 4 = 16.1: past a clamp of 10
-    got = F.kl_estimate(logp, ref, estimator, clamp=clamp, old_logps=old, score_grad=score_grad)
+    got = F.kl_estimate(logp, ref, estimator, clamp=clamp, sample_log_prob=old, score_grad=score_grad)
     (grad_got,) = torch.autograd.grad(got.sum(), logp)
     lp2 = logp.detach().clone().requires_grad_()
     want = _written_formula(lp2, ref, estimator, clamp, old, score_grad)
@@ -216,7 +216,7 @@ def test_importance_weighted_kl_is_unbiased_off_policy_in_value_and_gradient(est
     ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
     old = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
     kl_exact = (logp.exp() * (logp - ref)).sum()
-    estimate = (old.exp() * F.kl_estimate(logp, ref, estimator, old_logps=old)).sum()  # E_{pi_old}[w * k]
+    estimate = (old.exp() * F.kl_estimate(logp, ref, estimator, sample_log_prob=old)).sum()  # E_{pi_old}[w * k]
     torch.testing.assert_close(estimate, kl_exact, rtol=1e-12, atol=1e-12)
     if estimator == "k3":  # and its gradient is the KL's gradient
         (g_est,) = torch.autograd.grad(estimate, theta, retain_graph=True)
@@ -233,10 +233,10 @@ def test_token_ppo_loss_importance_weights_its_reference_kl_on_request():
 
     td = kit.response_batch(batch_size=4, response_len=5, mask="holes", with_advantage=True, seed=1)
     actor, critic = kit.tiny_actor_critic()
-    plain = TokenPPOLoss(actor, critic, kl_coeff=1.0)(td.clone())
-    weighted = TokenPPOLoss(actor, critic, kl_coeff=1.0, kl_importance_weighted=True)(td.clone())
+    plain = TokenPPOLoss(actor, critic, kl_to_ref_coeff=1.0)(td.clone())
+    weighted = TokenPPOLoss(actor, critic, kl_to_ref_coeff=1.0, kl_importance_weighted=True)(td.clone())
     new = actor(td.clone())["log_prob"]
-    want = F.reference_kl_penalty(new, td["ref_log_prob"], td["mask"], old_logps=td["sample_log_prob"])
+    want = F.reference_kl_penalty(new, td["ref_log_prob"], td["mask"], sample_log_prob=td["sample_log_prob"])
     torch.testing.assert_close(weighted["kl_ref"], want.detach())
     assert not torch.allclose(weighted["kl_ref"], plain["kl_ref"])
 
@@ -251,8 +251,8 @@ def test_score_function_gradient_is_the_kls_gradient_for_every_estimator(estimat
     ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
     sample = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1) if weighted else logp.detach()
     old = sample if weighted else None
-    est = F.kl_estimate(logp, ref, estimator, old_logps=old, score_grad=True)
-    torch.testing.assert_close(est.detach(), F.kl_estimate(logp, ref, estimator, old_logps=old).detach())
+    est = F.kl_estimate(logp, ref, estimator, sample_log_prob=old, score_grad=True)
+    torch.testing.assert_close(est.detach(), F.kl_estimate(logp, ref, estimator, sample_log_prob=old).detach())
     (grad,) = torch.autograd.grad((sample.exp() * est).sum(), theta, retain_graph=True)
     (want,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
     torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)

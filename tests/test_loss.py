@@ -102,19 +102,19 @@ def functional_reference(loss, td, actor, critic, **kw):
     adv = td["advantage"]
     if loss.normalize_advantage:
         adv = F.masked_whiten(adv, m)
-    mode = loss.loss_agg_mode
+    mode = loss.aggregation
     pol, stats = F.ppo_policy_loss(
-        new_logp, td["sample_log_prob"], adv, m, float(loss.clip_epsilon),
-        clip_epsilon_high=float(loss.clip_epsilon_high), dual_clip=loss.dual_clip, loss_agg_mode=mode,
+        new_logp, td["sample_log_prob"], adv, m, (float(loss.clip_epsilon_low),
+        float(loss.clip_epsilon_high)), dual_clip=loss.dual_clip, aggregation=mode,
         return_stats=True,
     )  # fmt: skip
-    kl = F.reference_kl_penalty(new_logp, td["ref_log_prob"], m, estimator=loss.kl_estimator, loss_agg_mode=mode)
+    kl = F.reference_kl_penalty(new_logp, td["ref_log_prob"], m, estimator=loss.kl_estimator, aggregation=mode)
     vl, vstats = F.clipped_value_loss(
-        values, td["state_value"], td["value_target"], m, float(loss.clip_value), loss_agg_mode=mode, return_stats=True
+        values, td["state_value"], td["value_target"], m, float(loss.clip_value), aggregation=mode, return_stats=True
     )
     return {
         "loss_objective": pol,
-        "loss_kl_ref": float(loss.kl_coeff) * kl,
+        "loss_kl_ref": float(loss.kl_to_ref_coeff) * kl,
         "loss_critic": float(loss.critic_coeff) * vl,
         "loss_entropy": -float(loss.entropy_coeff) * F.aggregate_loss(entropy, m, mode),
         "kl_ref": kl,
@@ -138,9 +138,9 @@ def functional_reference(loss, td, actor, critic, **kw):
     "options",
     [
         {},
-        {"clip_epsilon": (0.1, 0.3), "loss_agg_mode": "seq-mean-token-mean"},
+        {"clip_epsilon": (0.1, 0.3), "aggregation": "seq-mean-token-mean"},
         {"dual_clip": 3.0, "kl_estimator": "k2", "entropy_coeff": 0.01},
-        {"normalize_advantage": True, "loss_agg_mode": "seq-mean-token-sum-norm", "kl_estimator": "k1"},
+        {"normalize_advantage": True, "aggregation": "seq-mean-token-sum-norm", "kl_estimator": "k1"},
     ],
 )
 def test_module_outputs_equal_functional_outputs(options):
@@ -155,7 +155,7 @@ def test_module_outputs_equal_functional_outputs(options):
 
 
 def test_minimind_total_equals_minimind_formulas():
-    # MiniMind's trainer/train_ppo.py, written out on the same tensors (kl_coef 0.02, vf_coef 0.5, clip 0.2).
+    # MiniMind's trainer/train_ppo.py, written out on the same tensors (kl_reward_coeff 0.02, vf_coef 0.5, clip 0.2).
     actor, critic = make_nets(seed=1)
     td = make_batch(actor, critic, seed=1)
     out = TokenPPOLoss.minimind(actor, critic)(td)
@@ -195,7 +195,7 @@ def test_missing_advantage_runs_masked_gae_by_default():
     out = loss(td)
     assert isinstance(loss.value_estimator, MaskedGAE)
     assert float(loss.value_estimator.gamma) == 1.0 and float(loss.value_estimator.lmbda) == pytest.approx(0.95)
-    adv, ret = F.masked_gae(td["next", "reward"], td["state_value"], td["mask"], 1.0, 0.95, normalize=False)
+    adv, ret = F.masked_gae(td["next", "reward"], td["state_value"], td["mask"], 1.0, 0.95, average_gae=False)
     expected = TokenPPOLoss(actor, critic)(td.clone().update({"advantage": adv, "value_target": ret}))
     for key in expected.keys():
         torch.testing.assert_close(out[key], expected[key], msg=key)
@@ -297,7 +297,7 @@ def test_no_critic_means_no_critic_terms():
 
 def test_zero_kl_coeff_does_not_need_reference_log_probs():
     actor, critic = make_nets()
-    out = TokenPPOLoss(actor, critic, kl_coeff=0.0)(make_batch(actor, critic).exclude("ref_log_prob"))
+    out = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.0)(make_batch(actor, critic).exclude("ref_log_prob"))
     assert out["loss_kl_ref"] == 0 and "kl_ref" not in out.keys()
 
 
@@ -346,13 +346,13 @@ def test_reset_parameters_recursive_changes_network_parameters(functional):
 
 def test_state_dict_round_trip_restores_outputs():
     actor, critic = make_nets(seed=0)
-    loss = TokenPPOLoss(actor, critic, kl_coeff=0.1, clip_epsilon=(0.1, 0.25))
+    loss = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.1, clip_epsilon=(0.1, 0.25))
     td = make_batch(actor, critic)
     expected = loss(td)
     actor2, critic2 = make_nets(seed=1)
     other = TokenPPOLoss(actor2, critic2)
     other.load_state_dict(loss.state_dict())
-    assert float(other.kl_coeff) == pytest.approx(0.1) and float(other.clip_epsilon_high) == pytest.approx(0.25)
+    assert float(other.kl_to_ref_coeff) == pytest.approx(0.1) and float(other.clip_epsilon_high) == pytest.approx(0.25)
     out = other(td)
     for key in expected.keys():
         torch.testing.assert_close(out[key], expected[key], msg=key)
@@ -361,10 +361,10 @@ def test_state_dict_round_trip_restores_outputs():
 def test_coefficients_are_schedulable_buffers():
     actor, critic = make_nets()
     loss = TokenPPOLoss(actor, critic)
-    buf = loss.kl_coeff
-    loss.kl_coeff = 0.5
-    assert loss.kl_coeff is buf and float(buf) == 0.5
-    assert {"clip_epsilon", "clip_epsilon_high", "critic_coeff", "kl_coeff", "entropy_coeff", "clip_value"} <= set(
+    buf = loss.kl_to_ref_coeff
+    loss.kl_to_ref_coeff = 0.5
+    assert loss.kl_to_ref_coeff is buf and float(buf) == 0.5
+    assert {"clip_epsilon_low", "clip_epsilon_high", "critic_coeff", "kl_to_ref_coeff", "entropy_coeff", "clip_value"} <= set(
         dict(loss.named_buffers())
     )
 
@@ -440,10 +440,10 @@ def test_minimind_preset_sets_every_default():
     actor, critic = make_nets()
     loss = TokenPPOLoss.minimind(actor, critic)
     assert isinstance(loss, LossModule)
-    assert float(loss.clip_epsilon) == pytest.approx(0.2) and float(loss.clip_epsilon_high) == pytest.approx(0.2)
-    assert float(loss.critic_coeff) == 0.5 and float(loss.kl_coeff) == pytest.approx(0.02)
+    assert float(loss.clip_epsilon_low) == pytest.approx(0.2) and float(loss.clip_epsilon_high) == pytest.approx(0.2)
+    assert float(loss.critic_coeff) == 0.5 and float(loss.kl_to_ref_coeff) == pytest.approx(0.02)
     assert float(loss.clip_value) == pytest.approx(0.2) and float(loss.entropy_coeff) == 0.0
-    assert loss.kl_estimator == "k3" and loss.loss_agg_mode == "token-mean" and not loss.normalize_advantage
+    assert loss.kl_estimator == "k3" and loss.aggregation == "token-mean" and not loss.normalize_advantage
     assert loss.early_stop_kl == 0.25
     gae = loss.value_estimator
     assert float(gae.gamma) == 1.0 and float(gae.lmbda) == pytest.approx(0.95) and gae.average_gae
@@ -452,8 +452,8 @@ def test_minimind_preset_sets_every_default():
 
 def test_minimind_preset_accepts_overrides_and_rejects_unknown_ones():
     actor, critic = make_nets()
-    loss = TokenPPOLoss.minimind(actor, critic, kl_coeff=0.0, gamma=0.99)
-    assert float(loss.kl_coeff) == 0.0 and float(loss.value_estimator.gamma) == pytest.approx(0.99)
+    loss = TokenPPOLoss.minimind(actor, critic, kl_to_ref_coeff=0.0, gamma=0.99)
+    assert float(loss.kl_to_ref_coeff) == 0.0 and float(loss.value_estimator.gamma) == pytest.approx(0.99)
     with pytest.raises(TypeError, match=r"unknown overrides \['clip'\]"):
         TokenPPOLoss.minimind(actor, critic, clip=0.3)
 
@@ -486,7 +486,7 @@ def test_error_missing_sample_log_prob():
 
 def test_error_missing_reference_log_probs_when_kl_is_on():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'ref_log_prob' \(reference log-probs\); needed because kl_coeff > 0"):
+    with pytest.raises(KeyError, match=r"no 'ref_log_prob' \(reference log-probs\); needed because kl_to_ref_coeff > 0"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("ref_log_prob"))
 
 
@@ -533,12 +533,12 @@ def test_error_mask_with_values_other_than_0_and_1():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"clip_epsilon": 0.0}, r"clip_epsilon \(low\)=0.0 must be a finite number > 0"),
+        ({"clip_epsilon": 0.0}, r"clip_epsilon=0.0 must be a finite number > 0"),
         ({"clip_epsilon": (0.1, 0.2, 0.3)}, "give one float .* or a pair"),
         ({"dual_clip": 1.0}, "dual-clip constant c must exceed 1"),
-        ({"loss_agg_mode": "mean"}, "loss_agg_mode='mean' is not one of"),
+        ({"aggregation": "mean"}, "aggregation='mean' is not one of"),
         ({"kl_estimator": "k4"}, "kl_estimator='k4' is not one of"),
-        ({"kl_coeff": -0.1}, r"kl_coeff=-0.1 must be a float >= 0"),
+        ({"kl_to_ref_coeff": -0.1}, r"kl_to_ref_coeff=-0.1 must be a float >= 0"),
         ({"clip_value": -1.0}, "clip_value=-1.0 must be a finite number > 0"),
         ({"kl_clamp": 0.0}, "kl_clamp=0.0 must be a finite number > 0"),
     ],
@@ -607,7 +607,7 @@ def test_in_keys_list_only_what_the_loss_and_its_networks_read():
     for key in ref.keys():
         torch.testing.assert_close(out[key], ref[key], msg=key)
     # the settings decide what is read: no reference KL, no critic -> neither ref_log_prob nor the targets
-    bare = TokenPPOLoss(ac.actor, None, kl_coeff=0.0)
+    bare = TokenPPOLoss(ac.actor, None, kl_to_ref_coeff=0.0)
     assert set(bare.in_keys) == {"mask", "sample_log_prob", "advantage", "input_ids", "attention_mask"}
     assert set(TokenPPOLoss(ac.actor, ac.critic, clip_value=None).in_keys) == set(loss.in_keys) - {"state_value"}
     torch.testing.assert_close(bare(llm.select(*bare.in_keys))["loss_objective"], bare(llm)["loss_objective"])

@@ -192,11 +192,11 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 
 def test_bad_shapes_and_dtypes_are_refused():
     old, roll, mask = batch()
-    with pytest.raises(ValueError, match=r"rollout_logps has shape \(5, 6\)"):
+    with pytest.raises(ValueError, match=r"rollout_log_prob has shape \(5, 6\)"):
         F.rollout_correction_weights(old, roll[:, :6], mask)
     with pytest.raises(ValueError, match="mask"):
         F.rollout_correction_weights(old, roll, mask[:, :6])
-    with pytest.raises(TypeError, match="rollout_logps must be a floating-point tensor"):
+    with pytest.raises(TypeError, match="rollout_log_prob must be a floating-point tensor"):
         F.rollout_correction_weights(old, roll.long(), mask)
 
 
@@ -239,7 +239,7 @@ def test_policy_loss_weights_multiply_the_surrogate():
 
 def test_policy_loss_weights_errors():
     old, _, mask = batch()
-    with pytest.raises(ValueError, match=r"weights has shape \(5, 6\) but new_logps has shape \(5, 7\)"):
+    with pytest.raises(ValueError, match=r"weights has shape \(5, 6\) but log_prob has shape \(5, 7\)"):
         F.ppo_policy_loss(old, old, old, mask, 0.2, weights=old[:, :6])
     with pytest.raises(TypeError, match="weights must be a floating-point tensor"):
         F.ppo_policy_loss(old, old, old, mask, 0.2, weights=mask)
@@ -283,14 +283,14 @@ def loss_batch(B=4, R=6, seed=0):
 @pytest.mark.parametrize("mode", ["token-tis", "seq-mis", "icepop"])
 def test_loss_module_weights_the_objective(mode):
     actor, td = loss_batch()
-    loss = TokenPPOLoss(actor, kl_coeff=0.0, rollout_correction=mode, rollout_threshold_high=1.5)
+    loss = TokenPPOLoss(actor, kl_to_ref_coeff=0.0, rollout_correction=mode, rollout_threshold_high=1.5)
     out = loss(td)
     w, stats = F.rollout_correction_weights(td["sample_log_prob"], td["rollout_log_prob"], td["mask"], mode,
                                             threshold_high=1.5, return_stats=True)  # fmt: skip
     new = actor.module(td["tokens"]).detach()
     ref = naive_policy_loss(new.double(), td["sample_log_prob"].double(), td["advantage"].double(), td["mask"], w)
     assert float(out["loss_objective"].detach()) == pytest.approx(ref, rel=1e-5)
-    plain = TokenPPOLoss(actor, kl_coeff=0.0)(td)
+    plain = TokenPPOLoss(actor, kl_to_ref_coeff=0.0)(td)
     assert not torch.equal(out["loss_objective"], plain["loss_objective"])
     for name, value in stats.items():
         assert torch.equal(out[f"rollout_{name}"], value)
@@ -300,8 +300,8 @@ def test_loss_module_weights_the_objective(mode):
 
 def test_loss_module_default_is_unchanged():
     actor, td = loss_batch()
-    on = TokenPPOLoss(actor, kl_coeff=0.0, rollout_correction="token-tis")
-    off = TokenPPOLoss(actor, kl_coeff=0.0)
+    on = TokenPPOLoss(actor, kl_to_ref_coeff=0.0, rollout_correction="token-tis")
+    off = TokenPPOLoss(actor, kl_to_ref_coeff=0.0)
     assert "rollout_log_prob" not in off.in_keys and off.rollout_correction is None
     with_key, without_key = off(td), off(td.exclude("rollout_log_prob"))
     assert set(with_key.keys()) == set(without_key.keys())
@@ -315,7 +315,7 @@ def test_loss_module_default_is_unchanged():
 
 def test_loss_module_missing_key_and_renamed_key():
     actor, td = loss_batch()
-    loss = TokenPPOLoss(actor, kl_coeff=0.0, rollout_correction="seq-tis")
+    loss = TokenPPOLoss(actor, kl_to_ref_coeff=0.0, rollout_correction="seq-tis")
     with pytest.raises(KeyError, match=r"no 'rollout_log_prob' \(rollout log-probs\); needed because "
                                        r"rollout_correction is set.*set_keys\(rollout_log_prob="):  # fmt: skip
         loss(td.exclude("rollout_log_prob"))
@@ -336,4 +336,4 @@ def test_loss_module_missing_key_and_renamed_key():
 def test_loss_module_bad_hyperparameters(kwargs, match):
     actor, _ = loss_batch()
     with pytest.raises(ValueError, match=match):
-        TokenPPOLoss(actor, kl_coeff=0.0, **kwargs)
+        TokenPPOLoss(actor, kl_to_ref_coeff=0.0, **kwargs)

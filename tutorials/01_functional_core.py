@@ -65,9 +65,9 @@ show("log-probs of the response tokens (old policy, reference)", old_logp=old_lo
 values = torch.tensor([[0.2, 0.4, 0.6], [0.1, -0.3, 99.0]])  # 99 at padding: never read
 token_rewards = torch.zeros(2, R)
 token_rewards[0, 2], token_rewards[1, 1] = 1.0, -1.0
-adv_raw, returns = masked_gae(token_rewards, values, mask, gamma=1.0, lam=0.95, normalize=False)
-advantages, _ = masked_gae(token_rewards, values, mask, gamma=1.0, lam=0.95)
-show("2. masked_gae (gamma=1, lam=0.95)", raw_advantages=adv_raw, returns=returns, whitened=advantages)
+adv_raw, returns = masked_gae(token_rewards, values, mask, gamma=1.0, lmbda=0.95, average_gae=False)
+advantages, _ = masked_gae(token_rewards, values, mask, gamma=1.0, lmbda=0.95)
+show("2. masked_gae (gamma=1, lmbda=0.95)", raw_advantages=adv_raw, returns=returns, whitened=advantages)
 print("look: row 0's last token has A = 1 - 0.6 = 0.4; padding stays 0 even though its value was 99;")
 print("      returns = raw advantages + values; whitened advantages have mean 0, variance 1 over the 5 tokens")
 
@@ -85,7 +85,7 @@ print("MiniMind's actor loss is  policy_loss + 0.02 * kl_ref")
 
 # 5. Value loss: the critic moved; clipping keeps it within 0.2 of the rollout's values.
 new_values = values + torch.tensor([[0.5, 0.1, -0.1], [0.0, 0.3, 0.0]])
-loss_v, vstats = clipped_value_loss(new_values, values, returns, mask, cliprange_value=0.2, return_stats=True)
+loss_v, vstats = clipped_value_loss(new_values, values, returns, mask, clip_value=0.2, return_stats=True)
 show("5. clipped_value_loss (clip 0.2)", loss=loss_v)
 print(f"value_clip_fraction = {vstats['value_clip_fraction']:.3f} (tokens whose clipped branch is the larger)")
 

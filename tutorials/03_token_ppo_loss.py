@@ -97,8 +97,8 @@ loss_module = TokenPPOLoss.minimind(actor, critic)  # clip 0.2, vf 0.5, kl 0.02 
 optimizer = torch.optim.Adam(loss_module.parameters(), lr=2e-3)
 buffer = ReplayBuffer(storage=LazyTensorStorage(B), sampler=SamplerWithoutReplacement(), batch_size=MB)
 print(
-    f"MiniMind preset: clip {float(loss_module.clip_epsilon):.2f}, critic_coeff {float(loss_module.critic_coeff):.2f}, "
-    f"kl_coeff {float(loss_module.kl_coeff):.2f}, value clip {float(loss_module.clip_value):.2f}, "
+    f"MiniMind preset: clip {float(loss_module.clip_epsilon_low):.2f}, critic_coeff {float(loss_module.critic_coeff):.2f}, "
+    f"kl_to_ref_coeff {float(loss_module.kl_to_ref_coeff):.2f}, value clip {float(loss_module.clip_value):.2f}, "
     f"early_stop_kl {loss_module.early_stop_kl}"
 )
 
@@ -136,7 +136,7 @@ What to look at (all diagnostics are masked to the real response tokens):
   score              mean sequence score of the rollout: should rise towards 1 (every token a 3)
   loss_objective     clipped surrogate; near 0 at the first minibatch (ratio 1, whitened advantages)
   loss_critic        0.5 * critic_coeff * clipped squared error: falls as the critic learns the returns
-  kl_ref             k3 KL to the frozen reference: grows slowly, held back by kl_coeff = 0.02
+  kl_ref             k3 KL to the frozen reference: grows slowly, held back by kl_to_ref_coeff = 0.02
   kl_approx          mean 0.5 (logp - sample_logp)^2 within the PPO epochs; above 0.25 they stop
   clip_fraction      share of tokens whose ratio left [0.8, 1.2]: a few percent to a few tens is healthy
   ESS                effective sample size of the ratios, 1 = all equal; a drop means one policy step went far

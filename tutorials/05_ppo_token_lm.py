@@ -98,7 +98,7 @@ kl_transform = KLPenaltyTransform(ref, coeff=FixedKLController(KL_COEF), estimat
 gae = MaskedGAE(gamma=GAMMA, lmbda=LAMBDA, average_gae=True)  # whitened advantages over valid tokens
 loss_module = TokenPPOLoss(
     ac.actor, ac.critic, clip_epsilon=CLIP_EPS, clip_value=CLIP_VALUE, critic_coeff=CRITIC_COEF,
-    kl_coeff=0.0, entropy_bonus=True, functional=False,
+    kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False,
 )  # fmt: skip
 actor_opt = torch.optim.AdamW(ac.actor_parameters(), lr=LR, weight_decay=0.0)
 critic_opt = torch.optim.AdamW(ac.critic_parameters(), lr=CRITIC_LR, weight_decay=0.0)

@@ -177,7 +177,7 @@ actor = CausalLMTokenLogProbs(policy_lm)  # writes "log_prob", "entropy" for eve
 critic = CausalLMCritic(critic_lm)  # writes "state_value" (and ("next", "state_value"))
 kl_transform = KLPenaltyTransform(CausalLMTokenLogProbs(ref_lm), coeff=0.05)  # k1 in the reward
 gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)
-loss_fn = TokenPPOLoss(actor, critic, clip_epsilon=0.2, critic_coeff=0.5, kl_coeff=0.0, entropy_coeff=0.01)
+loss_fn = TokenPPOLoss(actor, critic, clip_epsilon=0.2, critic_coeff=0.5, kl_to_ref_coeff=0.0, entropy_coeff=0.01)
 optim = torch.optim.Adam(loss_fn.parameters(), lr=3e-3)
 
 # --------------------------------------------------------------------------- #

@@ -160,7 +160,7 @@ class DualClipLoss(LossModule):
         new = self.actor(td.exclude("log_prob", "entropy"))["log_prob"]
         old, adv, m = td["sample_log_prob"], td["advantage"], td["mask"]
         loss, stats = F.ppo_policy_loss(new, old, adv, m, self.clip_epsilon, dual_clip=self.dual_clip,
-                                        loss_agg_mode="seq-mean-token-mean", return_stats=True)  # fmt: skip
+                                        aggregation="seq-mean-token-mean", return_stats=True)  # fmt: skip
         return TensorDict({"loss_objective": loss, "kl_approx": stats["kl_approx"]})
 
 

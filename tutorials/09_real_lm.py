@@ -111,7 +111,7 @@ collector = Collector(env, ac.policy, frames_per_batch=NUM_ENVS * MAX_NEW_TOKENS
 kl_transform = KLPenaltyTransform(ref, coeff=FixedKLController(KL_COEF), estimator="k1")
 gae = MaskedGAE(gamma=GAMMA, lmbda=LAMBDA, average_gae=WHITEN)
 loss_module = TokenPPOLoss(ac.actor, ac.critic, clip_epsilon=CLIP_EPS, critic_coeff=CRITIC_COEF,
-                           clip_value=CLIP_VALUE, kl_coeff=0.0, functional=False)
+                           clip_value=CLIP_VALUE, kl_to_ref_coeff=0.0, functional=False)
 actor_opt = torch.optim.AdamW(ac.actor_parameters(), lr=LR, weight_decay=0.0)
 critic_opt = torch.optim.AdamW(ac.critic_parameters(), lr=CRITIC_LR, weight_decay=0.0)
 

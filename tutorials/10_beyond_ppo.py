@@ -74,7 +74,7 @@ rpp = ReinforcePlusPlus(gamma=1.0)(td.clone())["advantage"]
 print(f"reinforce++ per-token advantages of response 0: {[round(a, 2) for a in rpp[0].tolist()]}")
 # a critic-free estimator goes with a loss without a critic (a critic would be regressed onto advantages)
 actor, _ = K.tiny_actor_critic()
-TokenPPOLoss(actor, None, loss_agg_mode="token-sum-norm", kl_coeff=0.0).make_value_estimator(GroupAdvantage("dr_grpo"))
+TokenPPOLoss(actor, None, aggregation="token-sum-norm", kl_to_ref_coeff=0.0).make_value_estimator(GroupAdvantage("dr_grpo"))
 
 # ---------------------------------------------------------------- 2. the five methods on the toy task
 curves: dict[str, list[list[float]]] = {}

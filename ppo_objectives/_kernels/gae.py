@@ -4,13 +4,13 @@ Shape letters: ``N`` rows (flattened batch), ``R`` tokens per row, ``L`` the row
 to a whole number of blocks, ``C`` the block length.
 
 Contract shared by every backend (``rewards``, ``values`` float ``[N, R]`` of one dtype,
-``mask`` bool ``[N, R]`` or ``None`` (every step valid), ``bootstrap_value`` float ``[N]`` or ``None``, ``gamma`` / ``lam``
+``mask`` bool ``[N, R]`` or ``None`` (every step valid), ``bootstrap_value`` float ``[N]`` or ``None``, ``gamma`` / ``lmbda``
 Python floats or 0-d tensors on the rows' device): return the raw (un-whitened) advantages
 ``[N, R]``, exactly 0 at masked positions, with the recursion of Schulman et al. 2016,
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation", run over the
 valid tokens of each row only::
 
-    delta_k = r_k + gamma * V_next(k) - V_k,      A_k = delta_k + gamma * lam * A_next(k)
+    delta_k = r_k + gamma * V_next(k) - V_k,      A_k = delta_k + gamma * lmbda * A_next(k)
 
 where ``next(k)`` is the next *valid* token of the row; after the last valid token
 ``V_next = bootstrap_value[n]`` (0 when ``None``) and ``A_next = 0``. Values at masked
@@ -27,7 +27,7 @@ data-dependent shape, so ``torch.compile(fullgraph=True)`` compiles it:
 2. TD errors on the packed rows, where "next valid" is simply "next slot"; the bootstrap is
    added to the packed reward of the last valid slot as ``gamma * bootstrap``;
 3. the discounted reverse cumulative sum ``A_k = sum_{j >= k} g^(j-k) delta_j`` with the
-   constant decay ``g = gamma * lam`` as a blocked matrix product: inside blocks of ``C``
+   constant decay ``g = gamma * lmbda`` as a blocked matrix product: inside blocks of ``C``
    slots one ``[C, C]`` matrix of ``g^(j-i)`` (``j >= i``), across blocks the same scheme one
    level up with decay ``g^C`` (recursively). Only non-negative powers of ``g`` appear, so
    nothing overflows for ``g < 1``; ``g = 0`` (``0^0 = 1``) and ``g = 1`` are exact cases and
@@ -269,7 +269,7 @@ def gae_advantages_torch(
     values: Tensor,
     mask: Tensor,
     gamma,
-    lam,
+    lmbda,
     bootstrap_value: Tensor | None,
     ends: Tensor | None = None,
     end_values: Tensor | None = None,
@@ -287,7 +287,7 @@ def gae_advantages_torch(
     """
     _exclusive_ends(bootstrap_value, ends, end_values)
     if mask is None:
-        return _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_values)
+        return _dense_advantages(rewards, values, gamma, lmbda, bootstrap_value, ends, end_values)
     n, r = rewards.shape
     dtype = rewards.dtype
     c = min(_BLOCK, r)
@@ -315,13 +315,13 @@ def gae_advantages_torch(
         packed_e = values.new_zeros(n, length + 3).scatter_(1, idx, end_values.to(dtype))
         next_v = torch.where(stop, packed_e[:, 1 : length + 1], next_v)
     delta = _td_errors(own, next_v, gamma)
-    adv_packed = discounted_reverse_cumsum(delta, gamma * lam, stop=stop)  # [N, L], slot k at column k - 1
+    adv_packed = discounted_reverse_cumsum(delta, gamma * lmbda, stop=stop)  # [N, L], slot k at column k - 1
     # back to the layout of idx (zero columns at 0, L + 1 and the dump L + 2), then unpack:
     # masked tokens read 0 from the dump column
     return F.pad(adv_packed, (1, 2)).gather(1, idx)
 
 
-def _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_values) -> Tensor:
+def _dense_advantages(rewards, values, gamma, lmbda, bootstrap_value, ends, end_values) -> Tensor:
     """``mask=None`` (every step valid): the packed rows are the rows themselves, so the TD errors
     are formed in place, with the same numbers as an all-True mask and without the packing."""
     dtype = rewards.dtype
@@ -335,7 +335,7 @@ def _dense_advantages(rewards, values, gamma, lam, bootstrap_value, ends, end_va
         next_v = torch.where(stop, end_values.to(dtype), next_v)
     delta = _td_errors(own, next_v, gamma)
     # contiguous, as the packed path's gather output is: the whitening sums then add in the same order
-    return discounted_reverse_cumsum(delta, gamma * lam, stop=stop).contiguous()
+    return discounted_reverse_cumsum(delta, gamma * lmbda, stop=stop).contiguous()
 
 
 def _td_errors(own: Tensor, next_v: Tensor, gamma) -> Tensor:
@@ -367,7 +367,7 @@ def gae_advantages_triton(
     values: Tensor,
     mask: Tensor,
     gamma,
-    lam,
+    lmbda,
     bootstrap_value: Tensor | None,
     ends: Tensor | None = None,
     end_values: Tensor | None = None,
@@ -381,10 +381,10 @@ def gae_advantages_triton(
     _exclusive_ends(bootstrap_value, ends, end_values)
     if mask is None:
         mask = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
-    inputs = (rewards, values, bootstrap_value, end_values, gamma, lam)
+    inputs = (rewards, values, bootstrap_value, end_values, gamma, lmbda)
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     if needs_grad:
-        return gae_advantages_torch(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)
+        return gae_advantages_torch(rewards, values, mask, gamma, lmbda, bootstrap_value, ends, end_values)
     from ppo_objectives._kernels.triton_gae import masked_gae_triton
 
-    return masked_gae_triton(rewards, values, mask, gamma, lam, bootstrap_value, ends, end_values)
+    return masked_gae_triton(rewards, values, mask, gamma, lmbda, bootstrap_value, ends, end_values)

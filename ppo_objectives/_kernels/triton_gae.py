@@ -6,7 +6,7 @@ Shape letters: ``N`` rows, ``R`` tokens per row, ``BLOCK`` tokens per chunk of t
 
 The recursion over valid tokens (``next(k)`` = next valid token of the row)::
 
-    A_k = r_k - V_k + gamma * V_next(k) + g * A_next(k),     g = gamma * lam
+    A_k = r_k - V_k + gamma * V_next(k) + g * A_next(k),     g = gamma * lmbda
 
 is rewritten with the carry ``C_j`` = "what the first valid token at or after ``j`` hands to
 its predecessor", ``gamma * V_i + g * A_i`` for that token ``i`` (``gamma * bootstrap`` when
@@ -74,11 +74,11 @@ def _masked_gae_rows_kernel(
     acc_ty = out_ptr.dtype.element_ty
     if GL_FROM_PTR:
         gamma = tl.load(gl_ptr).to(acc_ty)
-        lam = tl.load(gl_ptr + 1).to(acc_ty)
+        lmbda = tl.load(gl_ptr + 1).to(acc_ty)
     else:
         gamma = gamma_arg.to(acc_ty)
-        lam = lam_arg.to(acc_ty)
-    g = gamma * lam
+        lmbda = lam_arg.to(acc_ty)
+    g = gamma * lmbda
     if HAS_BOOT:
         carry = gamma * tl.load(boot_ptr + row).to(acc_ty)
     else:
@@ -126,14 +126,14 @@ def masked_gae_triton(
     values: Tensor,
     mask: Tensor,
     gamma,
-    lam,
+    lmbda,
     bootstrap_value: Tensor | None,
     ends: Tensor | None = None,
     end_values: Tensor | None = None,
 ) -> Tensor:
     """Raw masked GAE advantages ``[N, R]`` (contract of ``_kernels.gae.gae_advantages_torch``).
 
-    ``gamma`` / ``lam`` as Python floats go to the kernel as arguments for float32 rows; 0-d
+    ``gamma`` / ``lmbda`` as Python floats go to the kernel as arguments for float32 rows; 0-d
     tensors (or float64 rows, to keep float64 precision) go through a 2-element device buffer
     filled on the device, so no host synchronisation happens either way.
     """
@@ -146,16 +146,16 @@ def masked_gae_triton(
     mask = mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)  # same bytes; avoids int1 pointer quirks
-    floats = isinstance(gamma, (int, float)) and isinstance(lam, (int, float))
+    floats = isinstance(gamma, (int, float)) and isinstance(lmbda, (int, float))
     gl_from_ptr = not (floats and rewards.dtype == torch.float32)
     if gl_from_ptr:
         gl = torch.empty(2, dtype=rewards.dtype, device=rewards.device)
         gl[0] = gamma  # a fill kernel (float) or a device copy (0-d tensor): no sync
-        gl[1] = lam
+        gl[1] = lmbda
         gamma_arg, lam_arg = 0.0, 0.0
     else:
         gl = rewards  # unused pointer
-        gamma_arg, lam_arg = float(gamma), float(lam)
+        gamma_arg, lam_arg = float(gamma), float(lmbda)
     e, ev = mask, rewards  # unused pointers without ends
     if ends is not None:
         e = ends.contiguous().view(torch.uint8) if ends.dtype == torch.bool else ends.contiguous()

@@ -276,7 +276,7 @@ def response_batch(
         ref = slp.double() + 0.1 * torch.randn(B, R, generator=g, dtype=torch.float64)
         out.set("ref_log_prob", _fill(ref.to(dtype), m, masked_fill))
     if with_advantage:
-        adv, ret = reference_gae_response(token_reward, out["state_value"], m, gamma, lmbda, normalize=True)
+        adv, ret = reference_gae_response(token_reward, out["state_value"], m, gamma, lmbda, average_gae=True)
         out.set("advantage", _fill(adv.to(dtype), m, masked_fill))
         out.set("value_target", _fill(ret.to(dtype), m, masked_fill))
     return out.to(device) if device is not None else out

@@ -42,7 +42,7 @@ def _rows_of(x: Tensor | None, shape: torch.Size, name: str, *, as_bool: bool = 
     return (flat > 0.5 if not x.dtype == torch.bool else flat).tolist() if as_bool else flat.double().tolist()
 
 
-def _gae_rows(r, v, m, gamma, lam, ends, end_values):
+def _gae_rows(r, v, m, gamma, lmbda, ends, end_values):
     """Raw advantages, row by row, over the valid steps: the recursion of ``docs/design.md``."""
     out = []
     for b in range(len(r)):
@@ -55,18 +55,18 @@ def _gae_rows(r, v, m, gamma, lam, ends, end_values):
             if i == len(valid) - 1 or ends[b][t]:  # a trajectory ends here: bootstrap, carry nothing
                 next_v, next_a = end_values[b][t], 0.0
             delta = r[b][t] + gamma * next_v - v[b][t]
-            adv[t] = delta + gamma * lam * next_a
+            adv[t] = delta + gamma * lmbda * next_a
             next_v, next_a = v[b][t], adv[t]
         out.append(adv)
     return out
 
 
-def _gae_out(adv_rows, v, m, shape, normalize):
+def _gae_out(adv_rows, v, m, shape, average_gae):
     adv = torch.tensor(adv_rows, dtype=torch.float64).reshape(shape)
     values = torch.tensor(v, dtype=torch.float64).reshape(shape)
     mask = torch.tensor(m, dtype=torch.bool).reshape(shape)
     ret = torch.where(mask, adv + values, 0.0)
-    return (whiten(adv, mask) if normalize else adv), ret
+    return (whiten(adv, mask) if average_gae else adv), ret
 
 
 def _check_rewards(rewards: Tensor) -> torch.Size:
@@ -80,10 +80,10 @@ def reference_gae_response(
     values: Tensor,
     mask: Tensor | None,
     gamma: float,
-    lam: float,
+    lmbda: float,
     *,
     bootstrap_value: Tensor | None = None,
-    normalize: bool = False,
+    average_gae: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """GAE of response rows, one trajectory per row, as a plain loop (the response form of ``masked_gae``).
 
@@ -91,10 +91,10 @@ def reference_gae_response(
     valid step; masked steps are never read)::
 
         next_v, next_a = bootstrap_value[b] (0 by default), 0
-        delta = r[t] + gamma * next_v - v[t];  A[t] = delta + gamma * lam * next_a
+        delta = r[t] + gamma * next_v - v[t];  A[t] = delta + gamma * lmbda * next_a
         next_v, next_a = v[t], A[t]
 
-    Returns are the raw advantages plus the values; with ``normalize=True`` the
+    Returns are the raw advantages plus the values; with ``average_gae=True`` the
     advantages are whitened over the valid steps of the whole batch (biased
     variance, ``(A - mean) / sqrt(var + 1e-8)``), as
     :func:`~ppo_objectives.functional.masked_gae` does by default. Both outputs
@@ -103,9 +103,9 @@ def reference_gae_response(
     Args:
         rewards / values: ``[*B, T]`` float tensors.
         mask: ``[*B, T]`` bool or {0, 1}, or ``None`` (all valid).
-        gamma / lam: discount and GAE lambda.
+        gamma / lmbda: discount and GAE lambda.
         bootstrap_value: ``[*B]`` value after each row's last valid step.
-        normalize: whiten the advantages (default False, unlike ``masked_gae``).
+        average_gae: whiten the advantages (default False, unlike ``masked_gae``).
 
     Returns:
         ``(advantages, returns)``, float64 ``[*B, T]``.
@@ -126,7 +126,7 @@ def reference_gae_response(
         boot = bootstrap_value.detach().reshape(-1).double().cpu().tolist()
     ends = [[False] * shape[-1] for _ in r]
     end_values = [[boot[b]] * shape[-1] for b in range(len(r))]
-    return _gae_out(_gae_rows(r, v, m, gamma, lam, ends, end_values), v, m, shape, normalize)
+    return _gae_out(_gae_rows(r, v, m, gamma, lmbda, ends, end_values), v, m, shape, average_gae)
 
 
 def _complete_flags(done, terminated, truncated):
@@ -160,13 +160,13 @@ def reference_gae_collector(
     values: Tensor,
     next_values: Tensor | None,
     gamma: float,
-    lam: float,
+    lmbda: float,
     *,
     done: Tensor | None = None,
     terminated: Tensor | None = None,
     truncated: Tensor | None = None,
     mask: Tensor | None = None,
-    normalize: bool = False,
+    average_gae: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """GAE of TorchRL collector rows (several trajectories per row) as a plain loop.
 
@@ -183,10 +183,10 @@ def reference_gae_collector(
 
     Args:
         rewards / values / next_values: ``[*B, T]`` float tensors.
-        gamma / lam: discount and GAE lambda.
+        gamma / lmbda: discount and GAE lambda.
         done / terminated / truncated: ``[*B, T]`` bool flags (at least one).
         mask: ``[*B, T]`` bool or {0, 1}, or ``None`` (all valid).
-        normalize: whiten the advantages (default False).
+        average_gae: whiten the advantages (default False).
 
     Returns:
         ``(advantages, returns)``, float64 ``[*B, T]``.
@@ -206,7 +206,7 @@ def reference_gae_collector(
         *(_rows_of(f, shape, name, as_bool=True) for f, name in ((done, "done"), (terminated, "terminated"), (truncated, "truncated")))
     )
     end_values = [[0.0 if te[b][t] else nv[b][t] for t in range(shape[-1])] for b in range(len(r))]
-    return _gae_out(_gae_rows(r, v, m, gamma, lam, d, end_values), v, m, shape, normalize)
+    return _gae_out(_gae_rows(r, v, m, gamma, lmbda, d, end_values), v, m, shape, average_gae)
 
 
 def _time_last(x: Tensor, shape: torch.Size) -> Tensor:
@@ -251,31 +251,30 @@ def reference_gae_tensordict(
     m = None if m is None else _time_last(m, shape)
     flags = {k: td.get(("next", k), None) for k in ("done", "terminated", "truncated")}
     if all(f is None for f in flags.values()):
-        adv, ret = reference_gae_response(r, v, m, gamma, lmbda, normalize=average_gae)
+        adv, ret = reference_gae_response(r, v, m, gamma, lmbda, average_gae=average_gae)
     else:
         nv = td.get(("next", "state_value"), None)
         if nv is None:
             raise KeyError("collector form: ('next', 'state_value') is needed to bootstrap truncated trajectories")
         flags = {k: None if f is None else _time_last(f, shape).bool() for k, f in flags.items()}
-        adv, ret = reference_gae_collector(r, v, _time_last(nv, shape), gamma, lmbda, mask=m, normalize=average_gae, **flags)
+        adv, ret = reference_gae_collector(r, v, _time_last(nv, shape), gamma, lmbda, mask=m, average_gae=average_gae, **flags)
     if trailing:
         adv, ret = adv.unsqueeze(-1), ret.unsqueeze(-1)
     return adv, ret
 
 
 def reference_ppo_policy_loss(
-    new_logps: Tensor,
-    old_logps: Tensor,
+    log_prob: Tensor,
+    sample_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor | None,
-    clip_epsilon: float,
+    clip_epsilon: float | tuple[float, float],
     *,
-    clip_epsilon_high: float | None = None,
     dual_clip: float | None = None,
 ) -> Tensor:
     """PPO's clipped surrogate loss, token mean over the valid tokens, as a plain loop.
 
-    Per valid token, with ``ratio = exp(new - old)``::
+    Per valid token, with ``ratio = exp(log_prob - sample_log_prob)``::
 
         L = max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high))
         L = min(L, -A * dual_clip)            where A < 0, with dual_clip
@@ -284,10 +283,9 @@ def reference_ppo_policy_loss(
     :func:`~ppo_objectives.functional.ppo_policy_loss`.
 
     Args:
-        new_logps / old_logps / advantages: ``[*B, R]`` float tensors.
+        log_prob / sample_log_prob / advantages: ``[*B, R]`` float tensors.
         mask: ``[*B, R]`` bool or {0, 1}, or ``None`` (all valid).
-        clip_epsilon: ``eps_low`` (and ``eps_high`` unless ``clip_epsilon_high``).
-        clip_epsilon_high: optional ``eps_high``.
+        clip_epsilon: ``eps`` for both sides, or a pair ``(eps_low, eps_high)``.
         dual_clip: optional constant ``c > 1``.
 
     Returns:
@@ -298,11 +296,12 @@ def reference_ppo_policy_loss(
         >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2)
         tensor(-0.4667, dtype=torch.float64)
     """
-    shape = _check_rewards(new_logps)
-    new, old = _rows_of(new_logps, shape, "new_logps"), _rows_of(old_logps, shape, "old_logps")
+    shape = _check_rewards(log_prob)
+    new, old = _rows_of(log_prob, shape, "log_prob"), _rows_of(sample_log_prob, shape, "sample_log_prob")
     adv = _rows_of(advantages, shape, "advantages")
     m = _rows_of(mask, shape, "mask", as_bool=True) if mask is not None else [[True] * shape[-1] for _ in new]
-    lo, hi = 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
+    eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon, clip_epsilon)
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
     total, n = 0.0, 0
     for b in range(len(new)):
         for t in range(shape[-1]):
@@ -318,7 +317,7 @@ def reference_ppo_policy_loss(
     return torch.tensor(total / max(n, 1), dtype=torch.float64)
 
 
-def reference_kl(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, mask: Tensor | None = None) -> Tensor:
+def reference_kl(log_prob: Tensor, ref_log_prob: Tensor, estimator: str = "k3", *, mask: Tensor | None = None) -> Tensor:
     """Per-token KL estimates of ``KL(pi || pi_ref)`` from sampled tokens, element by element.
 
     With ``d = ref_logp - logp``: ``"k1"`` is ``-d``, ``"k2"`` is ``d^2 / 2``,
@@ -328,7 +327,7 @@ def reference_kl(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, mas
     :func:`~ppo_objectives.functional.masked_kl_estimate`.
 
     Args:
-        logps / ref_logps: ``[*B, R]`` float tensors.
+        log_prob / ref_log_prob: ``[*B, R]`` float tensors.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"k3+"``.
         mask: optional ``[*B, R]`` bool or {0, 1}.
 
@@ -348,10 +347,10 @@ def reference_kl(logps: Tensor, ref_logps: Tensor, estimator: str = "k3", *, mas
     }
     if estimator not in estimators:
         raise ValueError(f"estimator={estimator!r} is not one of {tuple(estimators)}")
-    shape = logps.shape
+    shape = log_prob.shape
     if shape == torch.Size([]):
-        return reference_kl(logps.reshape(1), ref_logps.reshape(1), estimator).reshape(())
-    lp, ref = _rows_of(logps, shape, "logps"), _rows_of(ref_logps, shape, "ref_logps")
+        return reference_kl(log_prob.reshape(1), ref_log_prob.reshape(1), estimator).reshape(())
+    lp, ref = _rows_of(log_prob, shape, "log_prob"), _rows_of(ref_log_prob, shape, "ref_log_prob")
     m = _rows_of(mask, shape, "mask", as_bool=True) if mask is not None else [[True] * shape[-1] for _ in lp]
     f = estimators[estimator]
     out = [[f(ref[b][t] - lp[b][t]) if m[b][t] else 0.0 for t in range(shape[-1])] for b in range(len(lp))]

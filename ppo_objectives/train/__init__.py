@@ -74,7 +74,7 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
 ``seq_kl``
     The same k1 summed over each response, averaged over responses (``last_seq_kl``);
     what the adaptive controller tracks.
-``kl_coeff``
+``kl_reward_coeff``
     The in-reward KL coefficient ``beta`` after this iteration's controller update.
 ``loss_objective``
     Clipped PPO surrogate ``agg(max(-A r, -A clip(r, 1-eps, 1+eps)))``, mean over the
@@ -82,8 +82,8 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
 ``loss_critic``
     ``critic_coeff * agg(0.5 max((V-G)^2, (clip(V, V_old +- c) - G)^2))``, mean over steps.
 ``loss_kl_ref``
-    The in-loss reference KL term (``kl_coeff`` of the loss, MiniMind's k3); 0 when
-    ``--kl-loss-coef 0`` (the default: the KL is in the reward instead).
+    The in-loss reference KL term (``kl_to_ref_coeff`` of the loss, MiniMind's k3); 0 when
+    ``--kl-to-ref-coeff 0`` (the default: the KL is in the reward instead).
 ``loss_entropy``
     ``-entropy_coeff * agg(H)``; 0 without an entropy bonus.
 ``entropy``

@@ -154,9 +154,9 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
     """The TorchRL modules of the iteration: KL controller, ``KLPenaltyTransform``, ``MaskedGAE``,
     ``TokenPPOLoss`` (calling ``actor`` and ``critic``, DDP-wrapped under torchrun)."""
     controller = (
-        AdaptiveKLController(cfg.kl_coef, target=cfg.kl_target, horizon=10_000)
+        AdaptiveKLController(cfg.kl_reward_coeff, target=cfg.kl_target, horizon=10_000)
         if cfg.adaptive_kl
-        else FixedKLController(cfg.kl_coef)
+        else FixedKLController(cfg.kl_reward_coeff)
     ).to(device)
     kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
     gae = _advantage_estimator(cfg, device, process_group)
@@ -164,12 +164,12 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
         actor,
         None if cfg.critic_free else critic,
         clip_epsilon=cfg.clip_epsilon,
-        critic_coeff=cfg.critic_coef,
+        critic_coeff=cfg.critic_coeff,
         clip_value=cfg.clip_value,
-        kl_coeff=cfg.kl_loss_coef,
-        entropy_coeff=cfg.entropy_coef,
+        kl_to_ref_coeff=cfg.kl_to_ref_coeff,
+        entropy_coeff=cfg.entropy_coeff,
         entropy_bonus=True,  # the actor writes entropies: log them even without a bonus
-        loss_agg_mode=cfg.loss_agg_mode,
+        aggregation=cfg.aggregation,
         early_stop_kl=cfg.early_stop_kl,
         functional=False,
         device=device,
@@ -182,10 +182,10 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
 def _advantage_estimator(cfg: TrainConfig, device: torch.device, process_group):
     """``--advantage``: ``MaskedGAE`` (whitened over the valid tokens of every rank's batch), or a critic-free one."""
     if cfg.advantage == "gae":
-        return MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lam, policy_lmbda=cfg.policy_lam, length_alpha=cfg.length_alpha,
-                         average_gae=cfg.whiten, device=device, process_group=process_group)
+        return MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, policy_lmbda=cfg.policy_lmbda, length_alpha=cfg.length_alpha,
+                         average_gae=cfg.average_gae, device=device, process_group=process_group)
     if cfg.advantage == "reinforce++":
-        return ReinforcePlusPlus(gamma=cfg.gamma, whiten=cfg.whiten, device=device, process_group=process_group)
+        return ReinforcePlusPlus(gamma=cfg.gamma, whiten=cfg.average_gae, device=device, process_group=process_group)
     group = GroupAdvantage(cfg.advantage, device=device)
     group.set_keys(score=RETURN_KEY)
     return group
@@ -277,7 +277,7 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
     through DDP under torchrun (gradients all-reduced), or with ``--fsdp`` their models sharded in place."""
     critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
-                           entropy_grad=cfg.entropy_coef > 0)
+                           entropy_grad=cfg.entropy_coeff > 0)
     ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
     ref = frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
                            copy_model=ref_lm is None)  # made before any sharding: the reference stays whole

@@ -10,22 +10,26 @@ work starts. :data:`METRICS` and :func:`columns` are the columns of ``metrics.cs
 from __future__ import annotations
 
 import argparse
+import inspect
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from ppo_objectives import _validate
+from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train.checkpoints import read_run_config
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
 from ppo_objectives.train.loggers import LOGGERS, check_logger
 from ppo_objectives.train.monitor import FLAGS
 from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
+from ppo_objectives.value.gae import MaskedGAE
 
 #: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
 METRICS = (
-    "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_coeff",
+    "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_reward_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
     "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
     "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
@@ -55,11 +59,11 @@ def _f(default, help, **kw):
 #: the ``pretrained`` values.
 RECIPES: dict[str, dict] = {
     "toy": dict(iterations=300, num_envs=64, warmup_steps=150, lr=3e-4, critic_lr=1e-3, ppo_epochs=4, minibatches=4,
-                kl_coef=0.02, save_every=25, threads=1, max_new_tokens=None, eval_every=0, critic_warmup=0,
-                stall_patience=100, shared_trunk=False, whiten=True, lam=0.95),
+                kl_reward_coeff=0.02, save_every=25, threads=1, max_new_tokens=None, eval_every=0, critic_warmup=0,
+                stall_patience=100, shared_trunk=False, average_gae=True, lmbda=0.95),
     "pretrained": dict(iterations=30, num_envs=32, warmup_steps=0, lr=2e-5, critic_lr=1e-3, ppo_epochs=1,
-                       minibatches=2, kl_coef=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
-                       critic_warmup=0, stall_patience=15, shared_trunk=True, whiten=False, lam=1.0),
+                       minibatches=2, kl_reward_coeff=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
+                       critic_warmup=0, stall_patience=15, shared_trunk=True, average_gae=False, lmbda=1.0),
 }  # fmt: skip
 
 
@@ -71,10 +75,10 @@ ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "reinforce++")
 #: 0.04 and per-sequence token means; Dr. GRPO no KL and a constant normaliser (no length or std bias); RLOO and
 #: REINFORCE++ the KL in the reward (k1 per token, as the job's PPO), token means.
 ADVANTAGE_DEFAULTS: dict[str, dict] = {
-    "grpo": dict(kl_coef=0.0, kl_loss_coef=0.04, loss_agg_mode="seq-mean-token-mean"),
-    "dr_grpo": dict(kl_coef=0.0, kl_loss_coef=0.0, loss_agg_mode="token-sum-norm"),
-    "rloo": dict(kl_loss_coef=0.0, loss_agg_mode="token-mean"),
-    "reinforce++": dict(kl_loss_coef=0.0, loss_agg_mode="token-mean"),
+    "grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.04, aggregation="seq-mean-token-mean"),
+    "dr_grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.0, aggregation="token-sum-norm"),
+    "rloo": dict(kl_to_ref_coeff=0.0, aggregation="token-mean"),
+    "reinforce++": dict(kl_to_ref_coeff=0.0, aggregation="token-mean"),
 }
 
 
@@ -83,6 +87,11 @@ DIGIT_TASKS = ("reverse", "copy", "add")
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
+
+
+def _default(module: type, name: str):
+    """The default of ``module``'s argument ``name``: the CLI's defaults are the modules' own, written once."""
+    return inspect.signature(module).parameters[name].default
 
 
 def _rf(name: str, help: str):
@@ -98,7 +107,7 @@ class TrainConfig:
     out: str = _f("runs/ppo_token_lm", "output directory: metrics.csv, training.png, checkpoint.pt")
     resume: bool = _f(False, "continue from OUT/checkpoint.pt with the same flags (--iterations may grow; logging and "
                              "progress flags may change); metrics are appended")
-    allow_change: str = _f("", "with --resume: flags (comma-separated, e.g. lr,kl-coef) allowed to differ from the "
+    allow_change: str = _f("", "with --resume: flags (comma-separated, e.g. lr,kl-reward-coeff) allowed to differ from the "
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
                               "two-digit addition as chat questions (needs --model with a tokenizer); jsonl: your "
@@ -141,29 +150,29 @@ class TrainConfig:
                                               "before the PPO updates start")
     ppo_epochs: int = _rf("ppo_epochs", "passes over each rollout")
     minibatches: int = _rf("minibatches", "minibatches per pass")
-    clip_epsilon: float = _f(0.2, "PPO ratio clip")
-    clip_value: float = _f(0.2, "value clip range around V_old")
-    critic_coef: float = _f(0.5, "weight of the value loss")
-    entropy_coef: float = _f(0.0, "entropy bonus weight")
-    gamma: float = _f(1.0, "discount")
-    lam: float = _rf("lam", "GAE lambda (of the critic's value targets, and of the advantages unless --policy-lam or "
+    clip_epsilon: float = _f(_default(TokenPPOLoss, "clip_epsilon"), "PPO ratio clip")
+    clip_value: float = _f(_default(TokenPPOLoss, "clip_value"), "value clip range around V_old")
+    critic_coeff: float = _f(_default(TokenPPOLoss, "critic_coeff"), "weight of the value loss")
+    entropy_coeff: float = _f(_default(TokenPPOLoss, "entropy_coeff"), "entropy bonus weight")
+    gamma: float = _f(_default(MaskedGAE, "gamma"), "discount")
+    lmbda: float = _rf("lmbda", "GAE lambda (of the critic's value targets, and of the advantages unless --policy-lmbda or "
                             "--length-alpha is given)")
-    whiten: bool = _rf("whiten", "whiten the advantages over the valid tokens of the batch (MiniMind; --no-whiten: "
-                                 "raw advantages, in the reward's scale)")
-    policy_lam: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lam", type_=float)
+    average_gae: bool = _rf("average_gae", "whiten the advantages over the valid tokens of the batch (MiniMind; "
+                                           "--no-average-gae: raw advantages, in the reward's scale)")
+    policy_lmbda: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lmbda", type_=float)
     length_alpha: float = _f(None, "length-adaptive GAE (VAPO): the advantages' lambda per response, "
                                    "1 - 1 / (alpha * length); unset: off", type_=float)
-    kl_coef: float = _rf("kl_coef", "in-reward KL coefficient beta (k1 to the reference, per token)")
+    kl_reward_coeff: float = _rf("kl_reward_coeff", "in-reward KL coefficient beta (k1 to the reference, per token)")
     adaptive_kl: bool = _f(False, "adapt beta towards --kl-target (Ziegler et al. 2019)")
     kl_target: float = _f(1.0, "target per-sequence KL (nats) of the adaptive controller")
-    kl_loss_coef: float = _f(None, "in-loss reference KL weight (MiniMind: 0.02, k3); 0 = off [default: 0, 0.04 with "
+    kl_to_ref_coeff: float = _f(None, "in-loss reference KL weight (MiniMind: 0.02, k3); 0 = off [default: 0, 0.04 with "
                                    "--advantage grpo]", type_=float)
     advantage: str = _f("gae", "gae: PPO with a critic (MaskedGAE); grpo / dr_grpo / rloo / reinforce++: critic-free "
                                "advantages (no critic is trained), each with its method's aggregation and KL",
                         choices=("gae", *ADVANTAGE_MODES))
     group_size: int = _f(0, "responses sampled per prompt, sharing a group id (GRPO, RLOO); 0: 4 with grpo / dr_grpo "
                             "/ rloo, 1 otherwise")
-    loss_agg_mode: str = _f(None, "the loss's aggregation [default: token-mean; dr_grpo: token-sum-norm; grpo: "
+    aggregation: str = _f(None, "the loss's aggregation [default: token-mean; dr_grpo: token-sum-norm; grpo: "
                                   "seq-mean-token-mean]", type_=str)
     early_stop_kl: float = _f(0.25, "approx-KL trust region: the PPO epochs stop when kl_approx exceeds it, and "
                                     "the step that took it there is undone (MiniMind stops at 0.25); 0 = off")
@@ -196,7 +205,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *RECIPES[self.recipe].items(),
-                            ("kl_loss_coef", 0.0), ("loss_agg_mode", "token-mean")):
+                            ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self._check_advantage()
@@ -221,13 +230,13 @@ class TrainConfig:
         if not _validate.is_real(self.early_stop_kl, low=0.0):
             raise ValueError(f"TrainConfig early_stop_kl={self.early_stop_kl!r} must be a finite number >= 0 (0 turns "
                              "the trust region off)")
-        for name in ("gamma", "lam", "policy_lam"):  # checked here, not first inside a GAE call
+        for name in ("gamma", "lmbda", "policy_lmbda"):  # checked here, not first inside a GAE call
             if getattr(self, name) is not None:
                 _validate.check_unit_interval(name, getattr(self, name))
         if self.length_alpha is not None and not _validate.is_real(self.length_alpha, low=0.0, strict=True):
             raise ValueError(f"TrainConfig length_alpha={self.length_alpha!r} must be a finite number > 0")
-        if self.policy_lam is not None and self.length_alpha is not None:
-            raise ValueError("--policy-lam and --length-alpha both set the advantages' lambda; give one of them")
+        if self.policy_lmbda is not None and self.length_alpha is not None:
+            raise ValueError("--policy-lmbda and --length-alpha both set the advantages' lambda; give one of them")
         for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
             value = getattr(self, name)
             if not _validate.is_real(value, low=0.0, strict=True):
@@ -241,9 +250,9 @@ class TrainConfig:
         if self.num_envs is not None and self.num_envs % self.group_size:
             raise ValueError(f"--num-envs {self.num_envs} is not a multiple of --group-size {self.group_size}: each "
                              f"prompt goes to {self.group_size} rows")
-        _validate.check_mode(self.loss_agg_mode)
+        _validate.check_aggregation(self.aggregation)
         if self.critic_free:
-            given = [f"--{n.replace('_', '-')}" for n in ("policy_lam", "length_alpha") if getattr(self, n) is not None]
+            given = [f"--{n.replace('_', '-')}" for n in ("policy_lmbda", "length_alpha") if getattr(self, n) is not None]
             given += ["--critic-warmup"] if self.critic_warmup else []
             if given:
                 raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
@@ -306,7 +315,38 @@ def build_parser() -> argparse.ArgumentParser:
                 f.type if isinstance(f.type, str) else f.type.__name__]
             default = argparse.SUPPRESS if meta.get("recipe") else f.default
             g.add_argument(flag, type=typ, default=default, help=meta["help"], choices=meta.get("choices"))
+    for old, new in RENAMED_FLAGS.items():
+        _add_renamed_flag(p, old, next(f for f in fields(TrainConfig) if f.name == new))
     return p
+
+
+#: Flags renamed to the argument names of the modules they configure (``docs/design.md``, "Names"). The earlier
+#: spelling still works, with a ``FutureWarning`` naming the new one; ``--allow-change`` and the configuration
+#: saved in an earlier checkpoint are read with the new names.
+RENAMED_FLAGS = {"kl_coef": "kl_reward_coeff", "kl_loss_coef": "kl_to_ref_coeff", "critic_coef": "critic_coeff",
+                 "entropy_coef": "entropy_coeff", "loss_agg_mode": "aggregation", "lam": "lmbda",
+                 "policy_lam": "policy_lmbda", "whiten": "average_gae"}
+
+
+class _RenamedFlag(argparse.Action):
+    """An earlier spelling of a flag: sets the new flag's value and warns with its name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negative = option_string.startswith("--no-")
+        new = "--" + ("no-" if negative else "") + self.dest.replace("_", "-")
+        warnings.warn(f"{option_string} is deprecated: the flag is now {new}", FutureWarning, stacklevel=1)
+        setattr(namespace, self.dest, (not negative) if self.nargs == 0 else values)
+
+
+def _add_renamed_flag(p: argparse.ArgumentParser, old: str, new) -> None:
+    flag = "--" + old.replace("_", "-")
+    if new.type in ("bool", bool):
+        p.add_argument(flag, "--no-" + flag[2:], dest=new.name, action=_RenamedFlag, nargs=0,
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return
+    typ = new.metadata.get("type_") or {"int": int, "float": float, "str": str}[str(new.type)]
+    p.add_argument(flag, dest=new.name, action=_RenamedFlag, type=typ, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
 
 
 #: ``--help``'s groups, and the flags (TrainConfig fields) in each.
@@ -327,12 +367,12 @@ _GROUP_MEMBERS = {
     "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing"),
     "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
-    "PPO": ("num_envs", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coef", "loss_agg_mode",
+    "PPO": ("num_envs", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff", "aggregation",
             "early_stop_kl",
             "no_rollback", "max_grad_norm"),
-    "KL": ("kl_coef", "adaptive_kl", "kl_target", "kl_loss_coef"),
-    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coef",
-               "gamma", "lam", "whiten", "policy_lam", "length_alpha"),
+    "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
+    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
+               "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
     "parallel": ("workers", "fsdp", "threads"),
 }
@@ -380,11 +420,13 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
             f"run there, or give the --out of the run to continue"
         )
     allowed = {a.strip().replace("-", "_") for a in cfg.allow_change.split(",") if a.strip()}
+    allowed = {RENAMED_FLAGS.get(a, a) for a in allowed}
     unknown = sorted(allowed - {f.name for f in fields(TrainConfig)})
     if unknown:
         raise ValueError(f"--allow-change {cfg.allow_change}: no such flag {unknown}; name flags as on the command "
-                         f"line, e.g. --allow-change lr,kl-coef")
-    config, iteration = saved["config"], int(saved["iteration"])
+                         f"line, e.g. --allow-change lr,kl-reward-coeff")
+    config = {RENAMED_FLAGS.get(name, name): value for name, value in saved["config"].items()}
+    iteration = int(saved["iteration"])
     changed = [f.name for f in fields(TrainConfig) if f.name in config and f.name not in RESUME_MAY_CHANGE
                and f.name not in allowed and config[f.name] != getattr(cfg, f.name)]
     if changed:

@@ -121,7 +121,7 @@ def _iteration(run: Run, it: int) -> dict[str, float]:
     if cfg.workers > 1:
         run.collector.update_policy_weights_()
     release_host_memory()  # the rollout's and the update's freed host memory, back to the system
-    return dict(iteration=it + 1, **roll, kl_coeff=float(coeff), rollout_s=t_ref - t0, reference_s=t1 - t_ref,
+    return dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0, reference_s=t1 - t_ref,
                 update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9), **stats)
 
 

@@ -114,7 +114,7 @@ class _TrustRegionUpdate:
 
     def loss(self, mb: TensorDictBase) -> TensorDictBase:
         """The loss terms on minibatch ``mb``, divided by its valid-token count over all ranks."""
-        norm = F.loss_normalizer(mb["mask"], self.loss_module.loss_agg_mode, process_group=self.pg)
+        norm = F.loss_normalizer(mb["mask"], self.loss_module.aggregation, process_group=self.pg)
         return self.loss_module(mb, normalizer=norm)
 
     def _measure(self, out: TensorDictBase, mb: TensorDictBase):

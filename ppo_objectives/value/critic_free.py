@@ -166,7 +166,7 @@ def dr_grpo_advantages(scores: Tensor, group: Tensor, mask: Tensor) -> Tensor:
 
     :func:`grpo_advantages` with ``scale=None``. Dr. GRPO also removes the
     length normalisation of the loss: pair it with a constant normaliser,
-    ``TokenPPOLoss(..., loss_agg_mode="token-sum-norm")`` or
+    ``TokenPPOLoss(..., aggregation="token-sum-norm")`` or
     ``"seq-mean-token-sum-norm"`` (:func:`ppo_objectives.functional.aggregate_loss`).
 
     Args:
@@ -239,7 +239,7 @@ def reinforce_plus_plus_advantages(
         A   = (G - mean) / sqrt(var + eps)          mean, var over every valid token of the batch
 
     The returns are :func:`ppo_objectives.functional.masked_gae` with zero values
-    and ``lam = 1``: it skips masked tokens (holes such as tool tokens are
+    and ``lmbda = 1``: it skips masked tokens (holes such as tool tokens are
     skipped, not treated as ends; the discount counts valid tokens only) and
     never reads them. The whitening is
     :func:`ppo_objectives.functional.masked_whiten` (biased variance).
@@ -286,7 +286,7 @@ def reinforce_plus_plus_advantages(
         _, mean, _ = _group_moments(s, group)
         last = torch.arange(r.shape[-1], device=r.device) == F.last_valid_index(m).unsqueeze(-1)
         r = r - torch.where(last, mean.reshape(scores.shape).unsqueeze(-1), zero)
-    returns, _ = F.masked_gae(r, torch.zeros_like(r), m, gamma, 1.0, normalize=False)
+    returns, _ = F.masked_gae(r, torch.zeros_like(r), m, gamma, 1.0, average_gae=False)
     if whiten:
         returns = F.masked_whiten(returns, m, eps=eps, process_group=process_group)
     return torch.where(m, returns, zero).to(token_rewards.dtype)
@@ -298,11 +298,11 @@ class _CriticFree(ValueEstimatorBase):
 
     ``critic_free = True`` tells a loss that its critic would be regressed onto advantages
     (:meth:`~ppo_objectives.loss.TokenPPOLoss.make_value_estimator` refuses that), and
-    ``loss_agg_mode`` is the aggregation the method's objective is defined with (``None``: any).
+    ``aggregation`` is the aggregation the method's objective is defined with (``None``: any).
     """
 
     critic_free = True
-    loss_agg_mode: str | None = None
+    aggregation: str | None = None
 
     @property
     def out_keys(self):
@@ -329,7 +329,7 @@ class GroupAdvantage(_CriticFree):
 
     ``kind="grpo"``: :func:`grpo_advantages` (``(score - mean_g) / (std_g + eps)``,
     unbiased std); ``"dr_grpo"``: :func:`dr_grpo_advantages` (``score - mean_g``;
-    pair with ``loss_agg_mode="token-sum-norm"`` or ``"seq-mean-token-sum-norm"``);
+    pair with ``aggregation="token-sum-norm"`` or ``"seq-mean-token-sum-norm"``);
     ``"rloo"``: :func:`rloo_advantages` (``score_i`` minus the mean of the other
     scores of its group). The row's advantage goes on each of its valid tokens.
 
@@ -407,7 +407,7 @@ class GroupAdvantage(_CriticFree):
         self.kind = kind
         self.eps = float(eps)
         # Dr. GRPO's unbiased objective: token losses summed, divided by a constant (Liu et al. 2025)
-        self.loss_agg_mode = "token-sum-norm" if kind == "dr_grpo" else None
+        self.aggregation = "token-sum-norm" if kind == "dr_grpo" else None
 
     @property
     def in_keys(self):

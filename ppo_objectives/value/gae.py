@@ -121,13 +121,14 @@ class MaskedGAE(ValueEstimatorBase):
     lambda while ``value_target`` keeps ``lmbda`` (VAPO trains the critic on ``lmbda = 1``,
     unbiased Monte-Carlo targets, and the policy on a smaller one); ``length_alpha`` makes the
     advantage's lambda per row, ``1 - 1 / (length_alpha * l)`` for a row of ``l`` valid steps
-    (:func:`~ppo_objectives.functional.length_adaptive_lam`). Either one runs GAE twice (the
+    (:func:`~ppo_objectives.functional.length_adaptive_lmbda`). Either one runs GAE twice (the
     target with ``lmbda``, the advantage with the policy's lambda); the response form only.
 
     Args:
-        gamma: discount in [0, 1] (token-level PPO for LLMs: 1.0).
-        lmbda: GAE lambda in [0, 1] (MiniMind: 0.95); the value target's, and the advantage's
-            unless ``policy_lmbda`` or ``length_alpha`` is given.
+        gamma: discount in [0, 1]. Default 1.0 (MiniMind's, and token-level PPO's for LLMs;
+            TorchRL's GAE has no default).
+        lmbda: GAE lambda in [0, 1]. Default 0.95 (MiniMind's); the value target's, and the
+            advantage's unless ``policy_lmbda`` or ``length_alpha`` is given.
         value_network: optional module writing ``state_value``; only called when
             the value entry is missing (and on ``"next"`` when bootstrap values
             are needed but missing). ``None`` is the usual case for a
@@ -241,8 +242,8 @@ class MaskedGAE(ValueEstimatorBase):
 
     def __init__(
         self,
-        gamma: float | Tensor,
-        lmbda: float | Tensor,
+        gamma: float | Tensor = 1.0,
+        lmbda: float | Tensor = 0.95,
         value_network: TensorDictModule | None = None,
         *,
         policy_lmbda: float | None = None,
@@ -393,19 +394,19 @@ class MaskedGAE(ValueEstimatorBase):
         the policy's lambda (``policy_lmbda``, or per row from ``length_alpha``)."""
         kw = dict(process_group=self.process_group, **ends)
         if self.policy_lmbda is None and self.length_alpha is None:
-            return F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=self.average_gae, **kw)
+            return F.masked_gae(r, v, m, self.gamma, self.lmbda, average_gae=self.average_gae, **kw)
         if ends:
             raise ValueError(
                 "MaskedGAE: policy_lmbda / length_alpha take the response form (one response per row, no done "
                 "flags); this batch has done flags (the collector form): drop them or the decoupled lambda"
             )
-        _, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, normalize=False, **kw)
+        _, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, average_gae=False, **kw)
         if self.length_alpha is not None:
             mask = m if m is not None else torch.ones(r.shape, dtype=torch.bool, device=r.device)
-            lam = F.length_adaptive_lam(mask, self.length_alpha).to(r.dtype if r.is_floating_point() else None)
+            lmbda = F.length_adaptive_lmbda(mask, self.length_alpha).to(r.dtype if r.is_floating_point() else None)
         else:
-            lam = self.policy_lmbda
-        adv, _ = F.masked_gae(r, v, m, self.gamma, lam, normalize=self.average_gae, **kw)
+            lmbda = self.policy_lmbda
+        adv, _ = F.masked_gae(r, v, m, self.gamma, lmbda, average_gae=self.average_gae, **kw)
         return adv, target
 
     def _raise_non_finite(self, r: Tensor, v: Tensor, m: Tensor | None, nv: Tensor | None, shape, ref) -> None:

@@ -32,7 +32,7 @@ from ppo_objectives.functional import masked_gae
 # --------------------------------------------------------------------------- #
 
 
-def naive_gae(rewards, values, mask, gamma, lam, bootstrap=None):
+def naive_gae(rewards, values, mask, gamma, lmbda, bootstrap=None):
     """Raw masked GAE in float64 with Python floats: per row, recurse over its valid indices."""
     n, r = rewards.shape
     out = torch.zeros(n, r, dtype=torch.float64)
@@ -41,13 +41,13 @@ def naive_gae(rewards, values, mask, gamma, lam, bootstrap=None):
         next_a = 0.0
         for k in reversed([k for k in range(r) if bool(mask[row, k])]):
             delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
-            next_a = delta + gamma * lam * next_a
+            next_a = delta + gamma * lmbda * next_a
             next_v = float(values[row, k])
             out[row, k] = next_a
     return out
 
 
-def naive_gae_segments(rewards, values, mask, gamma, lam, done, terminated, next_values):
+def naive_gae_segments(rewards, values, mask, gamma, lmbda, done, terminated, next_values):
     """Raw masked GAE of collector rows in float64 with Python floats: per row, split its valid
     indices into trajectories at done steps (and the row's end), then recurse over each
     trajectory backwards from its bootstrap (0 if its last step is terminated, else the next
@@ -70,7 +70,7 @@ def naive_gae_segments(rewards, values, mask, gamma, lam, done, terminated, next
             next_a = 0.0
             for k in reversed(seg):
                 delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
-                next_a = delta + gamma * lam * next_a
+                next_a = delta + gamma * lmbda * next_a
                 next_v = float(values[row, k])
                 out[row, k] = next_a
     return out
@@ -97,7 +97,7 @@ def make_flags(n, r, rate, gen, device):
     return done.to(device), terminated.to(device), next_values.to(device)
 
 
-def emulate_triton_kernel(rewards, values, mask, gamma, lam, bootstrap, block):
+def emulate_triton_kernel(rewards, values, mask, gamma, lmbda, bootstrap, block):
     """The Triton kernel's chunk / carry / shifted-load algebra, step by step in float64.
 
     Mirrors ``_triton_gae._masked_gae_rows_kernel`` (which cannot run without a GPU): chunks
@@ -106,7 +106,7 @@ def emulate_triton_kernel(rewards, values, mask, gamma, lam, bootstrap, block):
     """
     n, r = rewards.shape
     out = torch.zeros(n, r, dtype=torch.float64)
-    g = gamma * lam
+    g = gamma * lmbda
     for row in range(n):
         carry = gamma * (0.0 if bootstrap is None else float(bootstrap[row]))
         n_chunks = -(-r // block)
@@ -187,13 +187,13 @@ GAMMA_LAM_LONG = [(0.0, 0.0), (0.5, 0.5), (1.0, 0.95), (0.95, 1.0), (1.0, 1.0), 
 # --------------------------------------------------------------------------- #
 
 
-def check_grid_case(shape, gamma, lam, dtype, use_bootstrap, device):
-    gen = torch.Generator().manual_seed(hash((shape, gamma, lam)) % 2**31)
+def check_grid_case(shape, gamma, lmbda, dtype, use_bootstrap, device):
+    gen = torch.Generator().manual_seed(hash((shape, gamma, lmbda)) % 2**31)
     for kind in MASK_KINDS:
         r, v, m, boot = make_inputs(*shape, dtype, kind, gen, device)
         boot = boot if use_bootstrap else None
-        out = gae_advantages_torch(r, v, m, gamma, lam, boot)
-        ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lam, None if boot is None else boot.cpu())
+        out = gae_advantages_torch(r, v, m, gamma, lmbda, boot)
+        ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, None if boot is None else boot.cpu())
         assert out.dtype == dtype and out.shape == m.shape
         assert torch.isfinite(out).all(), kind
         assert (out[~m] == 0).all(), f"{kind}: masked positions must be exactly 0"
@@ -202,19 +202,19 @@ def check_grid_case(shape, gamma, lam, dtype, use_bootstrap, device):
 
 @pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("lam", FACTORS)
+@pytest.mark.parametrize("lmbda", FACTORS)
 @pytest.mark.parametrize("gamma", FACTORS)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17)], ids=lambda s: "x".join(map(str, s)))
-def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lam, dtype, use_bootstrap, device):
-    check_grid_case(shape, gamma, lam, dtype, use_bootstrap, device)
+def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lmbda, dtype, use_bootstrap, device):
+    check_grid_case(shape, gamma, lmbda, dtype, use_bootstrap, device)
 
 
 @pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("gamma,lam", GAMMA_LAM_LONG)
-def test_torch_gae_matches_naive_reference_on_1024_token_rows(gamma, lam, dtype, use_bootstrap, device):
+@pytest.mark.parametrize("gamma,lmbda", GAMMA_LAM_LONG)
+def test_torch_gae_matches_naive_reference_on_1024_token_rows(gamma, lmbda, dtype, use_bootstrap, device):
     # 16 blocks of 64: the second level of the blocked sum is exercised
-    check_grid_case((4, 1024), gamma, lam, dtype, use_bootstrap, device)
+    check_grid_case((4, 1024), gamma, lmbda, dtype, use_bootstrap, device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -223,7 +223,7 @@ def test_masked_gae_flattens_leading_dims_like_the_reference(backend, device):
     gen = torch.Generator().manual_seed(3)
     r, v, m, boot = make_inputs(6, 17, torch.float32, "holes", gen, device)
     r3, v3, m3, b3 = r.view(2, 3, 17), v.view(2, 3, 17), m.view(2, 3, 17), boot.view(2, 3)
-    adv, ret = masked_gae(r3, v3, m3, 0.95, 0.9, normalize=False, bootstrap_value=b3, backend=backend)
+    adv, ret = masked_gae(r3, v3, m3, 0.95, 0.9, average_gae=False, bootstrap_value=b3, backend=backend)
     ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), 0.95, 0.9, boot.cpu()).view(2, 3, 17)
     assert adv.shape == (2, 3, 17)
     assert_close_to_reference(adv, ref, torch.float32)
@@ -232,7 +232,7 @@ def test_masked_gae_flattens_leading_dims_like_the_reference(backend, device):
 
 
 def test_torch_gae_golden_case_with_hole_and_bootstrap():
-    # row [r=1, hole, r=2] with V = [0.5, garbage, 1.0], gamma = 0.5, lam = 1, bootstrap 4
+    # row [r=1, hole, r=2] with V = [0.5, garbage, 1.0], gamma = 0.5, lmbda = 1, bootstrap 4
     # last valid:  delta_2 = 2 + 0.5 * 4 - 1.0 = 3           A_2 = 3
     # first valid: delta_0 = 1 + 0.5 * 1.0 - 0.5 = 1         A_0 = 1 + 0.5 * 3 = 2.5
     r = torch.tensor([[1.0, 7.0, 2.0]])
@@ -249,14 +249,14 @@ def test_torch_gae_accepts_zero_dim_tensor_gamma_and_lam():
     assert_close_to_reference(out, naive_gae(r, v, m, 0.97, 0.9, boot), torch.float32)
 
 
-@pytest.mark.parametrize("gamma,lam", [(0.999, 1.0), (1.0, 1.0), (0.9, 0.9)])
-def test_torch_gae_long_rows_stay_accurate_in_float32(gamma, lam):
+@pytest.mark.parametrize("gamma,lmbda", [(0.999, 1.0), (1.0, 1.0), (0.9, 0.9)])
+def test_torch_gae_long_rows_stay_accurate_in_float32(gamma, lmbda):
     # 5000 tokens: three levels of blocks (64 * 64 < 5000); decays like 0.81^4999 underflow to 0
     gen = torch.Generator().manual_seed(2)
     r, v, m, boot = make_inputs(2, 5000, torch.float32, "holes", gen, "cpu")
-    out = gae_advantages_torch(r, v, m, gamma, lam, boot)
+    out = gae_advantages_torch(r, v, m, gamma, lmbda, boot)
     assert torch.isfinite(out).all()
-    assert_close_to_reference(out, naive_gae(r, v, m, gamma, lam, boot), torch.float32)
+    assert_close_to_reference(out, naive_gae(r, v, m, gamma, lmbda, boot), torch.float32)
 
 
 def test_torch_gae_stays_accurate_under_reduced_float32_matmul_precision():
@@ -295,23 +295,23 @@ def test_discounted_reverse_cumsum_matches_loop_across_block_boundaries(length, 
     n=st.integers(1, 4),
     r=st.integers(1, 150),
     gamma=st.floats(0.0, 1.0),
-    lam=st.floats(0.0, 1.0),
+    lmbda=st.floats(0.0, 1.0),
     p_valid=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
     bootstrap=st.booleans(),
 )
-def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, lam, p_valid, seed, bootstrap):
+def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, lmbda, p_valid, seed, bootstrap):
     gen = torch.Generator().manual_seed(seed)
     m = torch.rand(n, r, generator=gen) < p_valid
     r_ = torch.randn(n, r, generator=gen, dtype=torch.float64)
     v_ = torch.randn(n, r, generator=gen, dtype=torch.float64)
     boot = torch.randn(n, generator=gen, dtype=torch.float64) if bootstrap else None
-    clean = gae_advantages_torch(r_, v_, m, gamma, lam, boot)
+    clean = gae_advantages_torch(r_, v_, m, gamma, lmbda, boot)
     noisy = gae_advantages_torch(
-        r_.masked_fill(~m, float("nan")), v_.masked_fill(~m, -float("inf")), m, gamma, lam, boot
+        r_.masked_fill(~m, float("nan")), v_.masked_fill(~m, -float("inf")), m, gamma, lmbda, boot
     )
     assert torch.equal(clean, noisy)
-    assert_close_to_reference(clean, naive_gae(r_, v_, m, gamma, lam, boot), torch.float64)
+    assert_close_to_reference(clean, naive_gae(r_, v_, m, gamma, lmbda, boot), torch.float64)
 
 
 # --------------------------------------------------------------------------- #
@@ -319,15 +319,15 @@ def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, la
 # --------------------------------------------------------------------------- #
 
 
-def check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed):
+def check_segment_case(shape, gamma, lmbda, dtype, rate, backend, device, seed):
     gen = torch.Generator().manual_seed(seed)
     for kind in MASK_KINDS:
         r, v, m, _ = make_inputs(*shape, dtype, kind, gen, device)
         done, term, nv = make_flags(*shape, rate, gen, device)
         adv, ret = masked_gae(
-            r, v, m, gamma, lam, normalize=False, done=done, terminated=term, next_values=nv.to(dtype), backend=backend
+            r, v, m, gamma, lmbda, average_gae=False, done=done, terminated=term, next_values=nv.to(dtype), backend=backend
         )
-        ref = naive_gae_segments(r.cpu(), v.cpu(), m.cpu(), gamma, lam, done.cpu(), term.cpu(), nv.to(dtype).cpu())
+        ref = naive_gae_segments(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, done.cpu(), term.cpu(), nv.to(dtype).cpu())
         assert adv.dtype == dtype and adv.shape == m.shape
         assert (adv[~m] == 0).all() and (ret[~m] == 0).all(), kind
         assert_close_to_reference(adv, ref, dtype)
@@ -337,29 +337,29 @@ def check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed):
 @pytest.mark.parametrize("backend", ["loop", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("rate", [0.0, 0.1, 1.0], ids=lambda x: f"done{x}")
-@pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)])
+@pytest.mark.parametrize("gamma,lmbda", [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 130)], ids=lambda s: "x".join(map(str, s)))
-def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lam, rate, dtype, backend, device):
+def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lmbda, rate, dtype, backend, device):
     # 130 tokens: two blocks of 64 plus a partial one, so ends fall on and across block boundaries
-    check_segment_case(shape, gamma, lam, dtype, rate, backend, device, seed=len(shape) * 31 + shape[-1])
+    check_segment_case(shape, gamma, lmbda, dtype, rate, backend, device, seed=len(shape) * 31 + shape[-1])
 
 
-@pytest.mark.parametrize("gamma,lam,rate", [(1.0, 1.0, 0.001), (0.99, 0.95, 0.02), (1.0, 0.95, 0.3)])
-def test_collector_rows_of_5000_steps_stay_accurate_in_float32(gamma, lam, rate):
+@pytest.mark.parametrize("gamma,lmbda,rate", [(1.0, 1.0, 0.001), (0.99, 0.95, 0.02), (1.0, 0.95, 0.3)])
+def test_collector_rows_of_5000_steps_stay_accurate_in_float32(gamma, lmbda, rate):
     # three levels of blocks; a block holding an end passes nothing on at every level
-    check_segment_case((2, 5000), gamma, lam, torch.float32, rate, "torch", "cpu", seed=int(rate * 1000))
+    check_segment_case((2, 5000), gamma, lmbda, torch.float32, rate, "torch", "cpu", seed=int(rate * 1000))
 
 
 def test_collector_row_golden_case():
     # one row, hole at 2: steps 0,1 terminate at 1; steps 3,4 are truncated at 4 (next value 10);
-    # step 5 is cut by the row's end (next value 2). gamma = 0.5, lam = 1, rewards 1, values 0
+    # step 5 is cut by the row's end (next value 2). gamma = 0.5, lmbda = 1, rewards 1, values 0
     r = torch.ones(1, 6)
     v = torch.zeros(1, 6)
     m = torch.tensor([[True, True, False, True, True, True]])
     done = torch.tensor([[False, True, True, False, True, False]])  # the flag at the hole is never read
     term = torch.tensor([[False, True, False, False, False, False]])
     nv = torch.tensor([[0.0, 99.0, 99.0, 0.0, 10.0, 2.0]])
-    adv, _ = masked_gae(r, v, m, 0.5, 1.0, normalize=False, done=done, terminated=term, next_values=nv)
+    adv, _ = masked_gae(r, v, m, 0.5, 1.0, average_gae=False, done=done, terminated=term, next_values=nv)
     # A_1 = 1 (terminated: 99 ignored), A_0 = 1 + 0.5 * A_1 = 1.5;  A_4 = 1 + 0.5 * 10 = 6,
     # A_3 = 1 + 0.5 * 6 = 4;  A_5 = 1 + 0.5 * 2 = 2
     assert adv.tolist() == [[1.5, 1.0, 0.0, 4.0, 6.0, 2.0]]
@@ -370,7 +370,7 @@ def test_collector_rows_without_next_values_bootstrap_zero_except_the_row_bootst
     v = torch.zeros(2, 4)
     m = torch.ones(2, 4, dtype=torch.bool)
     done = torch.tensor([[False, True, False, False], [False, False, False, True]])
-    adv, _ = masked_gae(r, v, m, 1.0, 1.0, normalize=False, done=done, bootstrap_value=torch.tensor([5.0, 5.0]))
+    adv, _ = masked_gae(r, v, m, 1.0, 1.0, average_gae=False, done=done, bootstrap_value=torch.tensor([5.0, 5.0]))
     # row 0: the boundary cut takes the row bootstrap 5; row 1 ends done (terminal): 5 is not used
     assert adv.tolist() == [[2.0, 1.0, 7.0, 6.0], [4.0, 3.0, 2.0, 1.0]]
 
@@ -382,10 +382,10 @@ def test_done_flags_at_masked_steps_and_garbage_next_values_are_never_read(backe
     done, term, nv = make_flags(4, 40, 0.2, gen, "cpu")
     read = done & m | (m & (torch.cumsum(m, -1) == m.sum(-1, keepdim=True)))  # ends
     nv_clean = torch.where(read & ~term, nv, 0.0)
-    clean = masked_gae(r, v, m, 0.9, 0.8, normalize=False, done=done & m, terminated=term & m, next_values=nv_clean,
+    clean = masked_gae(r, v, m, 0.9, 0.8, average_gae=False, done=done & m, terminated=term & m, next_values=nv_clean,
                        backend=backend)[0]  # fmt: skip
     noisy_nv = torch.where(read & ~term, nv, float("nan"))
-    noisy = masked_gae(r, v, m, 0.9, 0.8, normalize=False, done=done | ~m, terminated=term, next_values=noisy_nv,
+    noisy = masked_gae(r, v, m, 0.9, 0.8, average_gae=False, done=done | ~m, terminated=term, next_values=noisy_nv,
                        backend=backend)[0]  # fmt: skip
     torch.testing.assert_close(noisy, clean, rtol=0, atol=0)
 
@@ -395,8 +395,8 @@ def test_no_ends_is_the_response_layout_exactly():
     gen = torch.Generator().manual_seed(22)
     r, v, m, boot = make_inputs(5, 150, torch.float64, "holes", gen, "cpu")
     nv = boot[:, None].expand(5, 150).contiguous()
-    want = masked_gae(r, v, m, 0.99, 0.95, normalize=True, bootstrap_value=boot)[0]
-    got = masked_gae(r, v, m, 0.99, 0.95, normalize=True, done=torch.zeros_like(m), next_values=nv)[0]
+    want = masked_gae(r, v, m, 0.99, 0.95, average_gae=True, bootstrap_value=boot)[0]
+    got = masked_gae(r, v, m, 0.99, 0.95, average_gae=True, done=torch.zeros_like(m), next_values=nv)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -415,8 +415,8 @@ def test_no_mask_gives_the_numbers_of_an_all_true_mask_bit_for_bit(backend, shap
              dict(done=done), dict(next_values=nv.to(dtype))]  # fmt: skip
     for kwargs in cases:
         for normalize in (True, False):
-            got = masked_gae(r, v, None, 0.99, 0.95, normalize=normalize, backend=backend, **kwargs)
-            want = masked_gae(r, v, ones, 0.99, 0.95, normalize=normalize, backend=backend, **kwargs)
+            got = masked_gae(r, v, None, 0.99, 0.95, average_gae=normalize, backend=backend, **kwargs)
+            want = masked_gae(r, v, ones, 0.99, 0.95, average_gae=normalize, backend=backend, **kwargs)
             for a, b in zip(got, want):
                 assert torch.equal(a, b), (sorted(kwargs), normalize)
 
@@ -441,7 +441,7 @@ def test_torch_gae_with_ends_backpropagates_to_values_and_next_values():
     r = torch.where(m, r, 0.0)
 
     def f(vv, nn):
-        return masked_gae(r, vv, m, 0.9, 0.8, normalize=False, done=done, terminated=term, next_values=nn,
+        return masked_gae(r, vv, m, 0.9, 0.8, average_gae=False, done=done, terminated=term, next_values=nn,
                           backend="torch")[0]  # fmt: skip
 
     assert torch.autograd.gradcheck(f, (v, nv))
@@ -468,15 +468,15 @@ cases += [((2, 200), "holes"), ((1, 1100), "holes")]  # 1100 > 1024: two chunks,
 for shape, kind in cases:
     r, v, m, boot = t.make_inputs(*shape, torch.float32, kind, gen, "cpu")
     done, term, nv = t.make_flags(*shape, 0.05, gen, "cpu")
-    for gamma, lam in [(1.0, 1.0), (0.9, 0.5)]:
-        g, l = torch.tensor(gamma), torch.tensor(lam)  # the interpreter takes the device-buffer path
+    for gamma, lmbda in [(1.0, 1.0), (0.9, 0.5)]:
+        g, l = torch.tensor(gamma), torch.tensor(lmbda)  # the interpreter takes the device-buffer path
         rr, vv, mm, g_, l_, _, ends, ev, _ = F._gae_inputs(r, v, m, g, l, None, done, term, nv.float())
         seg = masked_gae_triton(rr, vv, mm, g_, l_, None, ends, ev)
-        want = t.naive_gae_segments(r, v, m, gamma, lam, done, term, nv.float())
+        want = t.naive_gae_segments(r, v, m, gamma, lmbda, done, term, nv.float())
         t.assert_close_to_reference(seg, want, torch.float32)
         for b in (None, boot):
             out = masked_gae_triton(r, v, m, g, l, b)
-            t.assert_close_to_reference(out, t.naive_gae(r, v, m, gamma, lam, b), torch.float32)
+            t.assert_close_to_reference(out, t.naive_gae(r, v, m, gamma, lmbda, b), torch.float32)
         worst = max(worst, float((seg.double() - want).abs().max()))
 print("ok", worst)
 """
@@ -504,7 +504,7 @@ def test_masked_gae_compiles_with_fullgraph_and_matches_reference():
     r, v, m, boot = make_inputs(3, 17, torch.float32, "holes", gen, "cpu")
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda r, v, m, b: masked_gae(r, v, m, 0.95, 0.9, normalize=False, bootstrap_value=b),
+        lambda r, v, m, b: masked_gae(r, v, m, 0.95, 0.9, average_gae=False, bootstrap_value=b),
         fullgraph=True,
         dynamic=False,
     )
@@ -617,14 +617,14 @@ needs_triton = pytest.mark.skipif(not _gae_fast.triton_available(), reason="need
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (4, 1024), (2, 3000)], ids=lambda s: "x".join(map(str, s)))
 def test_triton_gae_matches_naive_reference_on_cuda(shape, dtype, tensor_gamma):
     gen = torch.Generator().manual_seed(11)
-    for gamma, lam in [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 0.5)]:
+    for gamma, lmbda in [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 0.5)]:
         for kind in MASK_KINDS:
             r, v, m, boot = make_inputs(*shape, dtype, kind, gen, "cuda")
             g = torch.tensor(gamma, device="cuda", dtype=dtype) if tensor_gamma else gamma
-            lm = torch.tensor(lam, device="cuda", dtype=dtype) if tensor_gamma else lam
+            lm = torch.tensor(lmbda, device="cuda", dtype=dtype) if tensor_gamma else lmbda
             for b in (None, boot):
                 out = gae_advantages_triton(r, v, m, g, lm, b)
-                ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lam, None if b is None else b.cpu())
+                ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, None if b is None else b.cpu())
                 assert (out[~m] == 0).all()
                 assert_close_to_reference(out, ref, dtype)
 
@@ -634,9 +634,9 @@ def test_triton_gae_matches_naive_reference_on_cuda(shape, dtype, tensor_gamma):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (4, 1024), (2, 3000)], ids=lambda s: "x".join(map(str, s)))
 def test_triton_gae_collector_rows_match_the_segment_reference_on_cuda(shape, dtype):
-    for gamma, lam in [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5)]:
+    for gamma, lmbda in [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5)]:
         for rate in (0.02, 0.5):
-            check_segment_case(shape, gamma, lam, dtype, rate, "triton", "cuda", seed=shape[-1] + int(rate * 100))
+            check_segment_case(shape, gamma, lmbda, dtype, rate, "triton", "cuda", seed=shape[-1] + int(rate * 100))
 
 
 @pytest.mark.cuda
@@ -651,8 +651,8 @@ def test_masked_gae_auto_uses_triton_on_cuda_and_matches_torch():
     torch.testing.assert_close(ret_auto, ret_torch, rtol=1e-5, atol=1e-5)
 
 
-def _masked_gae_auto(r, v, m, gamma, lam, boot):
-    return masked_gae(r, v, m, gamma, lam, bootstrap_value=boot)
+def _masked_gae_auto(r, v, m, gamma, lmbda, boot):
+    return masked_gae(r, v, m, gamma, lmbda, bootstrap_value=boot)
 
 
 @pytest.mark.cuda

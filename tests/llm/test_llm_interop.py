@@ -259,7 +259,7 @@ def test_masked_gae_on_a_converted_dialog_skips_the_tool_tokens():
     out["state_value"] = torch.zeros(1, 8, 1)
     out["next", "state_value"] = torch.zeros(1, 8, 1)
     MaskedGAE(gamma=1.0, lmbda=1.0)(out)
-    # gamma = lam = 1, V = 0: advantage = reward-to-go over the valid tokens 2, 3, 6, 7:
+    # gamma = lmbda = 1, V = 0: advantage = reward-to-go over the valid tokens 2, 3, 6, 7:
     # 1 + 10 = 11 at tokens 2 and 3, then 10 at tokens 6 and 7; holes and prompt are 0
     assert out["advantage"].squeeze(-1).tolist() == [[0, 0, 11, 11, 0, 0, 10, 10]]
 
@@ -405,7 +405,7 @@ def test_turn_layout_gae_bootstraps_from_the_value_of_the_next_turns_prompt():
     bootstrap_from_next_turn(out)
     assert out["next", "state_value"][0, 3, 0] == 4.0  # last token of turn 0 <- V(next prompt)
     MaskedGAE(gamma=1.0, lmbda=1.0)(out)
-    # turn 0 (gamma = lam = 1): A = r + V_boot - V at its end: 1 + 4 - 0.5 = 4.5 at token 3,
+    # turn 0 (gamma = lmbda = 1): A = r + V_boot - V at its end: 1 + 4 - 0.5 = 4.5 at token 3,
     # and token 2: 0 + (V_3 - V_2) + A_3 = 0 + 0 + 4.5 = 4.5
     torch.testing.assert_close(out["advantage"][0].squeeze(-1), torch.tensor([0, 0, 4.5, 4.5, 0, 0]))
     # turn 1 terminal: reward-to-go 10 minus V: token 4: 10 - 4 = 6; token 5: 10 - 0.5 = 9.5
@@ -757,7 +757,7 @@ def test_whitespace_stripping_history_needs_the_turn_layout_which_trains(tok):
         critic(out)
     bootstrap_from_next_turn(out)
     MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(out)
-    loss = TokenPPOLoss(CausalLMTokenLogProbs(lm), critic, kl_coeff=0.0)
+    loss = TokenPPOLoss(CausalLMTokenLogProbs(lm), critic, kl_to_ref_coeff=0.0)
     terms = loss(out)
     total = terms["loss_objective"] + terms["loss_critic"] + terms["loss_entropy"]
     assert torch.isfinite(total)
@@ -774,7 +774,7 @@ def _ppo_step(out, lm, critic, *, kl_transform=None):
     if kl_transform is not None:
         out = kl_transform(out)
     MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(out)
-    loss = TokenPPOLoss(actor, critic, kl_coeff=0.0 if "ref_log_prob" not in out.keys() else 0.02)
+    loss = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.0 if "ref_log_prob" not in out.keys() else 0.02)
     terms = loss(out)
     return loss, terms, out
 

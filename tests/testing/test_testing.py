@@ -145,9 +145,9 @@ def test_reference_gae_response_equals_masked_gae(kind):
     r, v, m = td["next", "reward"], td["state_value"], td["mask"]
     boot = torch.randn(6, generator=torch.Generator().manual_seed(0))
     for normalize in (False, True):
-        want = T.reference_gae_response(r, v, m, 0.9, 0.8, bootstrap_value=boot, normalize=normalize)
+        want = T.reference_gae_response(r, v, m, 0.9, 0.8, bootstrap_value=boot, average_gae=normalize)
         for backend in ("torch", "loop"):
-            got = F.masked_gae(r, v, m, 0.9, 0.8, bootstrap_value=boot, normalize=normalize, backend=backend)
+            got = F.masked_gae(r, v, m, 0.9, 0.8, bootstrap_value=boot, average_gae=normalize, backend=backend)
             for g, w, name in zip(got, want, ("advantages", "returns")):
                 T.assert_matches_reference(g, w, name=f"{backend} {name}")
     adv, target = T.reference_gae_tensordict(td, 1.0, 0.95, average_gae=True)
@@ -175,7 +175,7 @@ def test_reference_gae_collector_functional_form():
     args = (td["next", "reward"], td["state_value"])
     done, term = td["next", "done"], td["next", "terminated"]
     nv = td["next", "state_value"]
-    want = T.reference_gae_collector(*args, nv, 0.9, 0.7, done=done, terminated=term, mask=td["mask"], normalize=True)
+    want = T.reference_gae_collector(*args, nv, 0.9, 0.7, done=done, terminated=term, mask=td["mask"], average_gae=True)
     got = F.masked_gae(*args, td["mask"], 0.9, 0.7, done=done, terminated=term, next_values=nv, backend="torch")
     T.assert_matches_reference(got[0], want[0], name="advantages")
     T.assert_matches_reference(got[1], want[1], name="returns")
@@ -194,9 +194,9 @@ def test_reference_ppo_loss_and_kl_equal_the_functional_core(kind):
     td = T.response_batch(batch_size=6, response_len=7, mask=kind, with_advantage=True, seed=7)
     m, old, ref, adv = td["mask"], td["sample_log_prob"], td["ref_log_prob"], td["advantage"]
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    for kw in ({}, {"clip_epsilon_high": 0.28}, {"dual_clip": 3.0}):
-        got = F.ppo_policy_loss(new, old, adv, m, 0.2, **kw)
-        T.assert_matches_reference(got, T.reference_ppo_policy_loss(new, old, adv, m, 0.2, **kw), name=f"loss {kw}")
+    for eps, kw in ((0.2, {}), ((0.2, 0.28), {}), (0.2, {"dual_clip": 3.0})):
+        got = F.ppo_policy_loss(new, old, adv, m, eps, **kw)
+        T.assert_matches_reference(got, T.reference_ppo_policy_loss(new, old, adv, m, eps, **kw), name=f"loss {eps} {kw}")
     for est in ("k1", "k2", "k3", "k3+"):
         T.assert_matches_reference(F.masked_kl_estimate(new, ref, m, est), T.reference_kl(new, ref, est, mask=m),
                                    name=est)  # fmt: skip

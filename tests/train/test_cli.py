@@ -18,9 +18,9 @@ SMALL = ["--preset", "pico", "--num-envs", "8", "--warmup-steps", "3", "--ppo-ep
     (["--grad-checkpointing"], "--grad-checkpointing needs --model DIR"),
     (["--task", "chat-add1"], "--task chat-add1 is a text task: it needs --model DIR"),
     (["--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
-    (["--policy-lam", "0.9", "--length-alpha", "1"], "--policy-lam and --length-alpha both set"),
+    (["--policy-lmbda", "0.9", "--length-alpha", "1"], "--policy-lmbda and --length-alpha both set"),
     (["--gamma", "1.5"], "gamma=1.5 is outside [0, 1]"),
-    (["--lam", "-0.1"], "lam=-0.1 is outside [0, 1]"),
+    (["--lmbda", "-0.1"], "lmbda=-0.1 is outside [0, 1]"),
 ])  # fmt: skip
 def test_configuration_errors_are_error_lines(cli_error, tmp_path, argv, match):
     err = cli_error([*argv, "--out", str(tmp_path)])
@@ -64,4 +64,4 @@ def test_help_is_grouped(capsys):
     out = capsys.readouterr().out
     positions = [out.index(f"\n{g}:") for g in ("run", "model", "task", "PPO", "KL", "critic", "output", "parallel")]
     assert positions == sorted(positions)
-    assert out.index("\n  --kl-coef") > out.index("\nKL:") > out.index("\n  --clip-epsilon")
+    assert out.index("\n  --kl-reward-coeff") > out.index("\nKL:") > out.index("\n  --clip-epsilon")

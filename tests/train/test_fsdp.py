@@ -169,7 +169,7 @@ def _fsdp_worker(rank, init_file, results_dir):
         res["wrappers"], res["shards"] = len(wrappers), _shards(ac)
         _check_gathered_rollout(ac, rank, res)
         # the trust region on the shards: every step undone, then steps shortened (the same steps on both ranks)
-        opts, loss = _optimizers(ac), TokenPPOLoss(actor, critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+        opts, loss = _optimizers(ac), TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False)
         res["undo_stats"] = T.ppo_update(llm, loss, ac, opts, _cfg(UNDO_KL), torch.Generator(), process_group=pg)
         res["undo_params"] = _full_params(ac)
         res["stats"] = T.ppo_update(llm, loss, ac, opts, _cfg(BACKTRACK_KL), torch.Generator(), process_group=pg)
@@ -221,7 +221,7 @@ def test_rollout_runs_on_the_gathered_actor_with_any_number_of_forwards_per_rank
 def test_fsdp_update_on_two_ranks_equals_one_process_on_the_concatenated_batch(fsdp_ranks):
     assert torch.equal(fsdp_ranks[0]["params"], fsdp_ranks[1]["params"])  # gathered: one model
     ac = _pieces(seed=0)[3]  # one process, the same networks, both ranks' rows
-    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False)
     opts = _optimizers(ac)
     both = torch.cat([fsdp_ranks[0]["llm"], fsdp_ranks[1]["llm"]])
     initial = _params(ac)

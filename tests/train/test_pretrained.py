@@ -284,7 +284,7 @@ def _minibatch_terms(lm, batch, P):
     torch.manual_seed(0)
     ac = make_actor_critic(lm, P)
     torch.nn.init.normal_(ac.critic_head.weight, std=0.2)  # a value head that reads the trunk
-    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.02, entropy_coeff=0.01, entropy_bonus=True,
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_to_ref_coeff=0.02, entropy_coeff=0.01, entropy_bonus=True,
                         functional=False)
     td = batch.clone()
     out = loss(td)

@@ -368,7 +368,7 @@ def test_text_job_resumes_exactly(tmp_path, chat_model_dir):
     (dict(task="chat-add1", model="m", workers=2), r"--workers > 1 with a text task"),
     (dict(task="chat-add1", model="m", fsdp=True), r"--fsdp with a text task is not supported"),
     (dict(task="reverse", max_new_tokens=8), r"--max-new-tokens is for text tasks"),
-    (dict(policy_lam=0.9, length_alpha=1.0), r"--policy-lam and --length-alpha both set"),
+    (dict(policy_lmbda=0.9, length_alpha=1.0), r"--policy-lmbda and --length-alpha both set"),
     (dict(time_limit=-1.0), r"time_limit=-1.0 must be a number of minutes >= 0"),
 ])  # fmt: skip
 def test_text_job_configuration_errors(kw, match):

@@ -28,7 +28,7 @@ def _pieces(seed=0, num_envs=16, **cfg_kw):
     ref = frozen_reference(ac.actor_model, env.prompt_len)
     kl = KLPenaltyTransform(ref, coeff=FixedKLController(0.02))
     gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)
-    loss = TokenPPOLoss(ac.actor, ac.critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+    loss = TokenPPOLoss(ac.actor, ac.critic, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False)
     loss.make_value_estimator(gae)
     opts = (
         torch.optim.AdamW(ac.actor_parameters(), lr=3e-3),
@@ -203,7 +203,7 @@ def test_help_documents_every_flag():
     for flag in ("--iterations", "--seed", "--device", "--out", "--resume", "--workers", "--early-stop-kl"):
         assert flag in text
     proc = subprocess.run([sys.executable, "-m", "ppo_objectives.train", "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "--kl-coef" in proc.stdout
+    assert proc.returncode == 0 and "--kl-reward-coeff" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

@@ -69,7 +69,7 @@ def test_loss_normalizer_replaces_the_local_token_count_of_every_loss_term():
         state_value=torch.zeros(1, 3),
         batch_size=[1, 3],
     )
-    loss = TokenPPOLoss(actor, critic, clip_value=None, kl_coeff=1.0, entropy_coeff=1.0)
+    loss = TokenPPOLoss(actor, critic, clip_value=None, kl_to_ref_coeff=1.0, entropy_coeff=1.0)
     local, glob = loss(td).detach(), loss(td, normalizer=torch.tensor(4.0)).detach()
     # ratio 1: objective -(1 + 3) / 2 tokens = -2 locally, -(1 + 3) / 4 = -1 with 4 global tokens
     assert float(local["loss_objective"]) == pytest.approx(-2.0)
@@ -228,7 +228,7 @@ def _ddp_worker(rank, init_file, results_dir):
         cfg, ac, loss, opts, _ = _rollout(seed=0, ppo_epochs=1, minibatches=1, early_stop_kl=0.0)
         res["llm"] = llm.clone()
         actor, critic, wrappers = distributed.wrap_ddp(ac, distributed.Dist(rank, WORLD, rank, pg), torch.device("cpu"))
-        ddp_loss = TokenPPOLoss(actor, critic, kl_coeff=0.0, entropy_bonus=True, functional=False)
+        ddp_loss = TokenPPOLoss(actor, critic, kl_to_ref_coeff=0.0, entropy_bonus=True, functional=False)
         stats = T.ppo_update(llm, ddp_loss, ac, opts, cfg, torch.Generator().manual_seed(0), process_group=pg)
         res["params"], res["stats"] = _params(ac), stats
         distributed.check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)

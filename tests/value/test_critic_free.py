@@ -262,7 +262,7 @@ def test_set_keys_renames_entries():
 def test_token_ppo_loss_trains_without_critic(estimator, mode):
     actor, _ = tiny_actor_critic()
     td = estimator(_batch("holes", seed=1))
-    loss = TokenPPOLoss(actor, None, loss_agg_mode=mode)
+    loss = TokenPPOLoss(actor, None, aggregation=mode)
     out = loss(td)
     assert "loss_critic" not in out.keys()
     total = sum(v for k, v in out.items() if k.startswith("loss_"))

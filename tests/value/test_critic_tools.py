@@ -20,7 +20,7 @@ from ppo_objectives.train.monitor import CollapseGuard
 def _reference_per_row(td, gamma, lams, normalize):
     """The kit's loop reference, one row at a time with that row's lambda, whitened over the batch."""
     rows = [K.reference_gae_response(td["next", "reward"][i : i + 1], td["state_value"][i : i + 1],
-                                     td["mask"][i : i + 1], gamma=gamma, lam=float(lams[i]), normalize=False)[0]
+                                     td["mask"][i : i + 1], gamma=gamma, lmbda=float(lams[i]), average_gae=False)[0]
             for i in range(td.batch_size[0])]
     adv = torch.cat(rows)
     return F.masked_whiten(adv, td["mask"]) if normalize else adv
@@ -30,7 +30,7 @@ def _reference_per_row(td, gamma, lams, normalize):
 @pytest.mark.parametrize("alpha", [0.05, 0.5, 2.0])
 def test_length_adaptive_lambda_matches_a_per_row_loop(kind, alpha):
     td = K.response_batch(batch_size=7, response_len=9, mask=kind, seed=3)
-    lams = F.length_adaptive_lam(td["mask"], alpha)
+    lams = F.length_adaptive_lmbda(td["mask"], alpha)
     n = td["mask"].sum(-1).float()
     want_lam = torch.where(n > 0, (1 - 1 / (alpha * n.clamp(min=1))).clamp(0, 1), torch.zeros(()))
     torch.testing.assert_close(lams, want_lam)
@@ -38,7 +38,7 @@ def test_length_adaptive_lambda_matches_a_per_row_loop(kind, alpha):
     K.assert_matches_reference(out["advantage"], _reference_per_row(td, 1.0, lams, True), name="advantage")
     # the value target keeps lmbda (1.0: Monte-Carlo returns)
     want_target = K.reference_gae_response(td["next", "reward"], td["state_value"], td["mask"], gamma=1.0,
-                                           lam=1.0, normalize=False)[1]
+                                           lmbda=1.0, average_gae=False)[1]
     K.assert_matches_reference(out["value_target"], want_target, name="value_target")
 
 
@@ -46,10 +46,10 @@ def test_decoupled_lambda_advantage_and_target_use_their_own_lambda():
     td = K.response_batch(batch_size=5, response_len=8, mask="holes", seed=1)
     out = MaskedGAE(gamma=0.99, lmbda=1.0, policy_lmbda=0.8)(td.clone())
     r, v, m = td["next", "reward"], td["state_value"], td["mask"]
-    K.assert_matches_reference(out["advantage"], K.reference_gae_response(r, v, m, gamma=0.99, lam=0.8,
-                                                                          normalize=False)[0], name="advantage")
-    K.assert_matches_reference(out["value_target"], K.reference_gae_response(r, v, m, gamma=0.99, lam=1.0,
-                                                                             normalize=False)[1], name="target")
+    K.assert_matches_reference(out["advantage"], K.reference_gae_response(r, v, m, gamma=0.99, lmbda=0.8,
+                                                                          average_gae=False)[0], name="advantage")
+    K.assert_matches_reference(out["value_target"], K.reference_gae_response(r, v, m, gamma=0.99, lmbda=1.0,
+                                                                             average_gae=False)[1], name="target")
     K.assert_mask_invariant(MaskedGAE(gamma=1.0, lmbda=1.0, length_alpha=0.5), td)
 
 
@@ -63,16 +63,16 @@ def test_masked_gae_takes_one_lambda_per_row(backend):
 
 def test_per_row_lambda_and_decoupled_lambda_errors():
     r = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"lam has shape \(3,\).*\[\*B\] = \(2,\)"):
+    with pytest.raises(ValueError, match=r"lmbda has shape \(3,\).*\[\*B\] = \(2,\)"):
         F.masked_gae(r, r, None, 1.0, torch.ones(3))
-    with pytest.raises(ValueError, match=r"lam holds 1.5, outside \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"lmbda holds 1.5, outside \[0, 1\]"):
         F.masked_gae(r, r, None, 1.0, torch.tensor([0.5, 1.5]))
     with pytest.raises(ValueError, match="policy_lmbda=0.9 and length_alpha=1.0 both set"):
         MaskedGAE(1.0, 1.0, policy_lmbda=0.9, length_alpha=1.0)
     with pytest.raises(ValueError, match="length_alpha"):
         MaskedGAE(1.0, 1.0, length_alpha=0.0)
     with pytest.raises(ValueError, match="alpha"):
-        F.length_adaptive_lam(torch.ones(2, 3), 0.0)
+        F.length_adaptive_lmbda(torch.ones(2, 3), 0.0)
     td = K.collector_batch(num_envs=2, steps=5, seed=0)
     with pytest.raises(ValueError, match="take the response form .* done flags"):
         MaskedGAE(1.0, 1.0, policy_lmbda=0.5)(td)

@@ -63,7 +63,7 @@ def test_the_job_trains_without_a_critic(tmp_path, mode):
     cfg = T.TrainConfig(iterations=2, preset="pico", num_envs=8, warmup_steps=3, advantage=mode, out=str(tmp_path),
                         no_progress=True, no_plot=True)
     assert cfg.group_size == (1 if mode == "reinforce++" else 4)
-    assert cfg.loss_agg_mode == T.ADVANTAGE_DEFAULTS[mode]["loss_agg_mode"]
+    assert cfg.aggregation == T.ADVANTAGE_DEFAULTS[mode]["aggregation"]
     rows = T.train(cfg)
     assert rows[-1]["updates"] >= 1 and rows[-1]["loss_critic"] != rows[-1]["loss_critic"]  # nan: no critic loss
     assert rows[-1]["episodes"] >= 8
@@ -74,4 +74,4 @@ def test_critic_free_modes_refuse_critic_options():
         T.TrainConfig(advantage="grpo", critic_warmup=2)
     with pytest.raises(ValueError, match="--num-envs 10 is not a multiple of --group-size 4"):
         T.TrainConfig(advantage="grpo", num_envs=10)
-    assert T.TrainConfig(advantage="grpo", kl_loss_coef=0.1).kl_loss_coef == 0.1  # a flag given wins
+    assert T.TrainConfig(advantage="grpo", kl_to_ref_coeff=0.1).kl_to_ref_coeff == 0.1  # a flag given wins

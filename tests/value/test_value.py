@@ -130,7 +130,7 @@ def test_llm_layout_equals_functional_masked_gae(device, average_gae, trailing):
     out = MaskedGAE(0.97, 0.9, average_gae=average_gae)(td.clone())
     sq = (lambda x: x.squeeze(-1)) if trailing else (lambda x: x)
     adv, ret = F.masked_gae(
-        sq(td["next", "reward"]), sq(td["state_value"]), sq(td["mask"]), 0.97, 0.9, normalize=average_gae
+        sq(td["next", "reward"]), sq(td["state_value"]), sq(td["mask"]), 0.97, 0.9, average_gae=average_gae
     )
     assert out["advantage"].shape == td["state_value"].shape  # written in the layout it read
     torch.testing.assert_close(sq(out["advantage"]), adv)
@@ -218,7 +218,7 @@ def test_collector_layout_with_one_trajectory_per_row_equals_the_response_layout
     col["next", "terminated"] = (boot == 0).unsqueeze(-1).expand_as(m).clone()
     col["next", "state_value"] = boot.unsqueeze(-1).expand_as(v).clone()
     out = MaskedGAE(0.9, 0.7)(col)
-    adv_f, ret_f = F.masked_gae(r, v, m, 0.9, 0.7, normalize=False, bootstrap_value=boot)
+    adv_f, ret_f = F.masked_gae(r, v, m, 0.9, 0.7, average_gae=False, bootstrap_value=boot)
     torch.testing.assert_close(out["advantage"], adv_f)
     torch.testing.assert_close(out["value_target"], ret_f)
 
@@ -342,7 +342,7 @@ def test_value_network_fills_missing_values_and_is_not_trained():
     with torch.no_grad():
         v = critic(td.clone())["state_value"]
     torch.testing.assert_close(out["state_value"], v)
-    ref = F.masked_gae(td["next", "reward"], v, td["mask"], 1.0, 0.95, normalize=False)
+    ref = F.masked_gae(td["next", "reward"], v, td["mask"], 1.0, 0.95, average_gae=False)
     torch.testing.assert_close(out["advantage"], ref[0])
     assert not out["advantage"].requires_grad  # differentiable=False
 
@@ -470,7 +470,7 @@ def test_collector_layout_gae_compiles_fullgraph():
             td["next", "terminated"], td["next", "state_value"])  # fmt: skip
 
     def gae(r, v, m, d, t, nv):
-        return F.masked_gae(r, v, m, 0.9, 0.8, normalize=True, done=d, terminated=t, next_values=nv)
+        return F.masked_gae(r, v, m, 0.9, 0.8, average_gae=True, done=d, terminated=t, next_values=nv)
 
     torch._dynamo.reset()
     compiled = torch.compile(gae, fullgraph=True, dynamic=False)
