@@ -47,12 +47,15 @@ def looks_like_collector_batch(td: TensorDictBase) -> bool:
     return "action" in keys and ("next", "done") in keys and "mask" not in keys
 
 
-def require(td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: str = "") -> Tensor:
+def require(
+    td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: str = "", collector_fix: bool = True
+) -> Tensor:
     """``td[key]``, or a ``KeyError`` naming the key, the module and the fix.
 
     ``what`` says what the entry is (``"the old log-probs"``); ``fix`` how to produce it.
     A raw collector batch given where a response-layout batch is needed gets the converter
-    to run as its fix.
+    to run as its fix (``collector_fix=False``: the reader is the converter, or reads
+    collector batches itself).
 
     Example:
         >>> import torch
@@ -68,9 +71,16 @@ def require(td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: 
     x = td.get(key, None)
     if x is not None:
         return x
-    if looks_like_collector_batch(td):
+    raise missing(td, key, module=module, what=what, fix=fix, collector_fix=collector_fix)
+
+
+def missing(
+    td: TensorDictBase, key: NestedKey, *, module: str, what: str, fix: str = "", collector_fix: bool = True
+) -> KeyError:
+    """The ``KeyError`` of :func:`require`, for a reader that looks the entry up its own way."""
+    if collector_fix and looks_like_collector_batch(td):
         fix = _COLLECTOR_FIX
-    raise KeyError(f"{module}: the TensorDict has no {key_str(key)} ({what})" + (f"; {fix}" if fix else ""))
+    return KeyError(f"{module}: the TensorDict has no {key_str(key)} ({what})" + (f"; {fix}" if fix else ""))
 
 
 def time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:

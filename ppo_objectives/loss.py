@@ -540,18 +540,16 @@ class TokenPPOLoss(LossModule):
         """The actor's ``[*B, R]`` log-probs (and entropy, when it writes one) under the current parameters."""
         k = self.tensor_keys
         out = self._run("actor_network", td, k.log_prob, k.entropy)
-        log_prob = out.get(k.log_prob, None)
-        if log_prob is None:
-            raise KeyError(
-                f"TokenPPOLoss: the actor network did not write {k.log_prob!r}; it must output the per-token "
-                f"log-probs [B, R] of the response tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})"
-            )
+        fix = (f"the actor network did not write it; it must output the per-token log-probs [B, R] of the response "
+               f"tokens (its out_keys are {getattr(self.actor_network, 'out_keys', None)})")
+        log_prob = TD.require(out, k.log_prob, module="TokenPPOLoss", what="the actor's log-probs", fix=fix,
+                              collector_fix=False)
         entropy = out.get(k.entropy, None)
-        if entropy is None and self.entropy_bonus:
-            raise KeyError(
-                f"TokenPPOLoss: entropy_coeff is set but the actor network did not write {k.entropy!r}; "
-                "return the per-token entropy [B, R] from the actor (e.g. response_log_probs(..., return_entropy=True))"
-            )
+        if self.entropy_bonus:
+            fix = ("entropy_coeff is set but the actor network did not write it; return the per-token entropy [B, R] "
+                   "from the actor (e.g. response_log_probs(..., return_entropy=True))")
+            entropy = TD.require(out, k.entropy, module="TokenPPOLoss", what="the actor's entropy", fix=fix,
+                                 collector_fix=False)
         log_prob = TD.time_last(log_prob, f"actor output {k.log_prob!r}", batch.shape, batch.ref)
         if entropy is not None:
             entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", batch.shape, batch.ref)
@@ -589,9 +587,9 @@ class TokenPPOLoss(LossModule):
     def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, normalizer) -> None:
         """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
         k = self.tensor_keys
-        values = self._run("critic_network", td, k.value).get(k.value, None)
-        if values is None:
-            raise KeyError(f"TokenPPOLoss: the critic network did not write {k.value!r} ([B, R] values)")
+        values = TD.require(self._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
+                            what="the critic's values", fix="the critic network did not write its [B, R] values",
+                            collector_fix=False)  # fmt: skip
         values = TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref)
         agg = {"aggregation": self.aggregation, "normalizer": normalizer}
         if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2

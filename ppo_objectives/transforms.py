@@ -337,14 +337,12 @@ class KLPenaltyTransform(Transform):
 
     def _ref_log_prob(self, tensordict: TensorDictBase) -> Tensor:
         k = self.tensor_keys
+        if self.ref_model is None:
+            return TD.require(tensordict, k.ref_log_prob, module="KLPenaltyTransform", what="the reference log-probs",
+                              fix="no ref_model was given: precompute the reference log-probs or pass ref_model=")
         ref = tensordict.get(k.ref_log_prob, None)
         if ref is not None:
             return ref
-        if self.ref_model is None:
-            raise KeyError(
-                f"KLPenaltyTransform: {k.ref_log_prob!r} is missing and no ref_model was given; "
-                "precompute the reference log-probs or pass ref_model="
-            )
         with torch.no_grad():
             out = self.ref_model(tensordict.copy())
         fix = "it must output the per-token log-probs of the sampled tokens (set_keys(ref_model_log_prob=...) to its out key)"
@@ -489,11 +487,10 @@ class KLPenaltyTransform(Transform):
         if logp is None:
             if self.missing_tolerance:  # e.g. random actions in check_env_specs: no KL to measure
                 return self._reset(tensordict, next_tensordict)
-            raise KeyError(
-                f"KLPenaltyTransform: the policy must write {k.log_prob!r} (the log-prob of the sampled "
-                "token) before env.step; e.g. ProbabilisticActor(..., return_log_prob=True), or call "
-                "set_missing_tolerance(True) to let steps without it through unpenalised"
-            )
+            raise TD.missing(tensordict, k.log_prob, module="KLPenaltyTransform", what="the log-prob of the sampled "
+                             "token", fix="the policy must write it before env.step; e.g. ProbabilisticActor(..., "
+                             "return_log_prob=True), or call set_missing_tolerance(True) to let steps without it "
+                             "through unpenalised", collector_fix=False)  # fmt: skip
         if self.ref_model is None:
             raise KeyError(
                 "KLPenaltyTransform: inside an env the reference log-prob of each new token must be computed at "

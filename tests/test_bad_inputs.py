@@ -608,12 +608,12 @@ refuse("MaskedGAE-gamma-1.5", "hyper", lambda: MaskedGAE(gamma=1.5, lmbda=0.95),
 refuse("MaskedGAE-lmbda-negative", "hyper", lambda: MaskedGAE(gamma=1.0, lmbda=-0.5),
        ValueError, r"lmbda=-0\.5 is outside \[0, 1\]")
 refuse("MaskedGAE-missing-reward", "missing-key", lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(drop=[("next", "reward")])),
-       KeyError, r"reward.*missing")
+       KeyError, r"MaskedGAE: the TensorDict has no \('next', 'reward'\) \(the per-step reward\)")
 refuse("MaskedGAE-missing-value-no-network", "missing-key", lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(drop=["state_value"])),
-       KeyError, r"'state_value' is missing and no value_network.*value_network=")
+       KeyError, r"no 'state_value' \(the critic's values\); no value_network was given.*value_network=")
 refuse("MaskedGAE-done-flags-without-next-value", "missing-key",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__done=torch.zeros(2, 4, 1, dtype=torch.bool))),
-       KeyError, r"\('next', 'state_value'\).*missing.*bootstrap")
+       KeyError, r"no \('next', 'state_value'\) \(the next values\); done flags are present.*bootstrap")
 refuse("MaskedGAE-no-time-dimension", "shape",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(TensorDict({"state_value": torch.zeros(()), ("next", "reward"): torch.zeros(())}, [])),
        ValueError, r"needs a TensorDict with a time dimension")
@@ -741,10 +741,10 @@ refuse("TokenPPOLoss-missing-value-target", "missing-key", lambda: ppo_loss()(pp
 refuse("TokenPPOLoss-missing-rollout-values", "missing-key", lambda: ppo_loss(clip_value=0.2)(ppo_td(drop=["state_value"])),
        KeyError, r"no 'state_value' \(rollout values\); needed because clip_value is set")
 refuse("TokenPPOLoss-missing-advantage-and-reward", "missing-key", lambda: ppo_loss()(ppo_td(drop=["advantage"])),
-       KeyError, r"reward.*missing")
+       KeyError, r"MaskedGAE: the TensorDict has no \('next', 'reward'\) \(the per-step reward\)")
 refuse("TokenPPOLoss-entropy-coeff-without-entropy-output", "missing-key",
        lambda: ppo_loss(entropy=False, entropy_coeff=0.01)(ppo_td()),
-       KeyError, r"entropy_coeff is set but the actor network did not write 'entropy'")
+       KeyError, r"no 'entropy' \(the actor's entropy\); entropy_coeff is set but the actor network did not write it")
 refuse("TokenPPOLoss-per-sequence-advantage", "shape", lambda: ppo_loss()(ppo_td(batch=(2,), advantage=ADV[:, 0])),
        ValueError, r"advantage 'advantage' has shape \(2,\).*Broadcasting it would mix")
 refuse("TokenPPOLoss-int-sample-log-prob", "dtype", lambda: ppo_loss()(ppo_td(sample_log_prob=torch.zeros(2, 4, dtype=torch.long))),
@@ -805,7 +805,7 @@ refuse("KLPenaltyTransform-coeff-module-not-a-controller", "dtype", lambda: KLPe
 refuse("KLPenaltyTransform-missing-sample-log-prob", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["sample_log_prob"])),
        KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(log_prob=")
 refuse("KLPenaltyTransform-missing-ref-and-no-model", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["ref_log_prob"])),
-       KeyError, r"'ref_log_prob' is missing and no ref_model.*ref_model=")
+       KeyError, r"no 'ref_log_prob' \(the reference log-probs\); no ref_model was given.*ref_model=")
 refuse("KLPenaltyTransform-missing-reward", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=[("next", "reward")])),
        KeyError, r"no \('next', 'reward'\) \(the reward, needed because add_to_reward=True\).*add_to_reward=False")
 refuse("KLPenaltyTransform-reward-shape", "shape", lambda: KLPenaltyTransform()(kl_td(next__reward=torch.zeros(2, 5), batch=(2,))),
@@ -854,7 +854,7 @@ def _kl_env_step(ref_model=None, log_prob=True):
 refuse("KLPenaltyTransform-in-env-without-ref-model", "missing-key", lambda: _kl_env_step(),
        KeyError, r"inside an env the reference log-prob.*pass ref_model=")
 refuse("KLPenaltyTransform-in-env-policy-without-log-prob", "missing-key", lambda: _kl_env_step(log_prob=False),
-       KeyError, r"the policy must write 'sample_log_prob'.*return_log_prob=True.*set_missing_tolerance")
+       KeyError, r"no 'sample_log_prob' \(the log-prob of the sampled token\); the policy must write it.*return_log_prob=True.*set_missing_tolerance")
 
 
 def _kl_and_last(transform, td):
@@ -1182,11 +1182,11 @@ refuse("LLMToTokenBatch-unknown-out-key", "missing-key", lambda: LLMToTokenBatch
 refuse("LLMToTokenBatch-single-turn-without-batch", "shape", lambda: LLMToTokenBatch()(_turn()),
        ValueError, r"needs a batch of turns.*lazy_stack")
 refuse("LLMToTokenBatch-missing-tokens", "missing-key", lambda: LLMToTokenBatch()(_turns(_turn(drop=[("tokens", "full")]))),
-       KeyError, r"the turn tokens \('tokens', 'full'\) are missing")
+       KeyError, r"LLMToTokenBatch: the TensorDict has no \('tokens', 'full'\) \(the turn tokens\)")
 refuse("LLMToTokenBatch-missing-prompt", "missing-key", lambda: LLMToTokenBatch()(_turns(_turn(drop=[("tokens", "prompt")]))),
-       KeyError, r"the prompt tokens \('tokens', 'prompt'\) are missing")
+       KeyError, r"no \('tokens', 'prompt'\) \(the prompt tokens\); they locate the generated tokens")
 refuse("LLMToTokenBatch-missing-reward", "missing-key", lambda: LLMToTokenBatch()(_turns(_turn(reward=None))),
-       KeyError, r"reward \('next', 'reward'\) is missing.*reward_key=None")
+       KeyError, r"no \('next', 'reward'\) \(the reward\);.*reward_key=None")
 refuse("LLMToTokenBatch-prompt-not-a-prefix", "shape", lambda: LLMToTokenBatch()(_turns(_turn(prompt=(5, 9)))),
        ValueError, r"prompt \('tokens', 'prompt'\) \(length 2\) is not a prefix")
 refuse("LLMToTokenBatch-log-probs-length", "shape", lambda: LLMToTokenBatch()(_turns(_turn(log_probs=(-0.5,)))),
@@ -1205,11 +1205,11 @@ accept("LLMToTokenBatch-unfinished-dialog-no-eos", "no-eos", lambda: LLMToTokenB
                     close(out["next", "reward"].squeeze(-1), [[0.0, 0.0, 0.0, 1.0]]),
                     close(out["sample_log_prob"], [[0.0, 0.0, -0.5, -0.25]])))
 refuse("bootstrap_from_next_turn-missing-link", "missing-key", lambda: bootstrap_from_next_turn(_boot_td(drop=["next_turn_row"])),
-       KeyError, r"'next_turn_row' is missing; it is written by LLMToTokenBatch\(layout='turn'\)")
+       KeyError, r"no 'next_turn_row' \(the next turn's row\); it is written by LLMToTokenBatch\(layout='turn'\)")
 refuse("bootstrap_from_next_turn-missing-values", "missing-key", lambda: bootstrap_from_next_turn(_boot_td(drop=["state_value"])),
        KeyError, r"run the critic first")
 refuse("bootstrap_from_next_turn-missing-mask", "missing-key", lambda: bootstrap_from_next_turn(_boot_td(drop=["mask"])),
-       KeyError, r"'mask'.*missing")
+       KeyError, r"bootstrap_from_next_turn: the TensorDict has no 'mask' \(the response mask\)")
 refuse("CausalLMCritic-no-hidden-size", "hyper", lambda: CausalLMCritic(_Decoder()),
        ValueError, r"cannot read hidden_size from _Decoder\.config; pass hidden_size=")
 refuse("CausalLMCritic-1d-tokens", "shape", lambda: _critic().values(ROW_TOKENS[0]),

@@ -505,20 +505,20 @@ def test_error_missing_rollout_values_with_value_clipping():
 def test_error_actor_without_log_prob_output():
     _, critic = make_nets()
     actor = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["logits"])
-    with pytest.raises(KeyError, match="actor network did not write 'log_prob'"):
+    with pytest.raises(KeyError, match="no 'log_prob' \\(the actor's log-probs\\); the actor network did not write it"):
         TokenPPOLoss(actor, critic)(make_batch(*make_nets()))
 
 
 def test_error_critic_without_value_output():
     actor, _ = make_nets()
     critic = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["value"])
-    with pytest.raises(KeyError, match="critic network did not write 'state_value'"):
+    with pytest.raises(KeyError, match="no 'state_value' \\(the critic's values\\); the critic network did not write"):
         TokenPPOLoss(actor, critic)(make_batch(*make_nets()))
 
 
 def test_error_entropy_bonus_without_entropy_output():
     actor, critic = make_nets(entropy=False)
-    with pytest.raises(KeyError, match="entropy_coeff is set but the actor network did not write 'entropy'"):
+    with pytest.raises(KeyError, match="no 'entropy' \\(the actor's entropy\\); entropy_coeff is set"):
         TokenPPOLoss(actor, critic, entropy_coeff=0.01)(make_batch(actor, critic))
 
 

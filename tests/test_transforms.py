@@ -414,7 +414,7 @@ def test_error_missing_log_probs():
 
 
 def test_error_missing_reference_without_model():
-    with pytest.raises(KeyError, match="'ref_log_prob' is missing and no ref_model was given"):
+    with pytest.raises(KeyError, match="no 'ref_log_prob' \\(the reference log-probs\\); no ref_model was given"):
         KLPenaltyTransform()(llm_batch().exclude("ref_log_prob"))
 
 
@@ -451,7 +451,7 @@ def test_error_log_probs_without_token_axis():
 
 def test_error_env_step_without_policy_log_prob():
     env = TransformedEnv(TokenEnv(), KLPenaltyTransform(ref_model()))
-    with pytest.raises(KeyError, match="the policy must write 'sample_log_prob'"):
+    with pytest.raises(KeyError, match="no 'sample_log_prob' \\(the log-prob of the sampled token\\); the policy must write it"):
         env.rand_step(env.reset())
 
 

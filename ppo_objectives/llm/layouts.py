@@ -259,11 +259,9 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
     elif batch.batch_dims > 2:  # MultiSyncCollector stacks [workers, N, T]
         batch = batch.reshape(-1, batch.shape[-1])
     for key in _COLLECTOR_KEYS:
-        if key not in batch.keys(include_nested=True):
-            raise KeyError(
-                f"trajectories_to_llm_batch: {key!r} is missing from the collector batch; it needs the TokenLMEnv "
-                f"observations under 'next' and a policy that writes 'action' and 'sample_log_prob'"
-            )
+        TD.require(batch, key, module="trajectories_to_llm_batch", what="an entry of the collector batch",
+                   fix="it needs the TokenLMEnv observations under 'next' and a policy that writes 'action' and "
+                   "'sample_log_prob'", collector_fix=False)  # fmt: skip
     nxt = batch.get("next")
     _check_prompt_and_budget(batch, P, M)
     done = nxt.get("done").reshape(batch.shape)  # [N, T]
@@ -474,12 +472,10 @@ def _check_turn_batch(tensordict: TensorDictBase, tokens_key: NestedKey) -> None
             f"LLMToTokenBatch got an empty batch (batch_size={list(tensordict.batch_size)}): it holds no turns "
             f"to convert; skip empty collector batches before the conversion"
         )
-    if tokens_key not in tensordict.keys(True):
-        raise KeyError(
-            f"LLMToTokenBatch: the turn tokens {TD.key_str(tokens_key)} are missing "
-            f"(found {sorted(map(str, tensordict.keys()))}); is this an LLMCollector batch of a policy that "
-            f"returns tokens (TransformersWrapper / vLLMWrapper)? Set tokens_key= otherwise"
-        )
+    if tokens_key not in tensordict.keys(True):  # a membership test: reading ragged turns would stack them
+        raise TD.missing(tensordict, tokens_key, module="LLMToTokenBatch", what="the turn tokens", collector_fix=False,
+                         fix=f"found {sorted(map(str, tensordict.keys()))}; is this an LLMCollector batch of a policy "
+                         f"that returns tokens (TransformersWrapper / vLLMWrapper)? Set tokens_key= otherwise")
     padded = tensordict.get(("tokens", "padded"), None) if tokens_key[:1] == ("tokens",) else None
     if padded is not None and any(bool(p) for p in _flat_list(padded)):
         raise ValueError(
@@ -904,12 +900,10 @@ class LLMToTokenBatch(Transform):
         full = _get_1d(td, self.tokens_key, "tokens", where)
         prompt = _get_1d(td, self.prompt_key, "prompt tokens", where)
         if full is None:
-            raise KeyError(f"{where}: {TD.key_str(self.tokens_key)} is missing")
+            raise TD.missing(td, self.tokens_key, module=where, what="the turn tokens", collector_fix=False)
         if prompt is None:
-            raise KeyError(
-                f"{where}: the prompt tokens {TD.key_str(self.prompt_key)} are missing; they locate the generated "
-                f"tokens inside {TD.key_str(self.tokens_key)}"
-            )
+            raise TD.missing(td, self.prompt_key, module=where, what="the prompt tokens", collector_fix=False,
+                             fix=f"they locate the generated tokens inside {TD.key_str(self.tokens_key)}")
         if full.is_floating_point() or prompt.is_floating_point():
             raise TypeError(f"{where}: token ids must be integers, got {full.dtype} and {prompt.dtype}")
         p, L = prompt.numel(), full.numel()
@@ -946,12 +940,8 @@ class LLMToTokenBatch(Transform):
         """A scalar turn reward ``[]`` or per-token rewards ``[L]``, detached; None with ``reward_key=None``."""
         if self.reward_key is None:
             return None
-        r = td.get(self.reward_key, None)
-        if r is None:
-            raise KeyError(
-                f"{where}: the reward {TD.key_str(self.reward_key)} is missing; add a reward transform to the "
-                f"environment, or pass reward_key=None for zero rewards"
-            )
+        r = TD.require(td, self.reward_key, module=where, what="the reward", collector_fix=False,
+                       fix="add a reward transform to the environment, or pass reward_key=None for zero rewards")
         if r.numel() == 1:
             return r.reshape(()).detach()
         reward = _get_1d(td, self.reward_key, "reward", where)
@@ -1051,24 +1041,13 @@ def bootstrap_from_next_turn(
         tensor([[0., 2., 5., 0.],
                 [0., 0., 6., 7.]])
     """
-    mask = tensordict.get(mask_key, None)
-    if mask is None:
-        raise KeyError(
-            f"bootstrap_from_next_turn: the response mask {TD.key_str(mask_key)} is missing; it is written by "
-            f"LLMToTokenBatch (set mask_key= if it lives elsewhere)"
-        )
-    link = tensordict.get(link_key, None)
-    if link is None:
-        raise KeyError(
-            f"bootstrap_from_next_turn: {TD.key_str(link_key)} is missing; it is written by "
-            f"LLMToTokenBatch(layout='turn')"
-        )
-    value, next_value = tensordict.get(value_key), tensordict.get(next_value_key)
-    if value is None or next_value is None:
-        raise KeyError(
-            f"bootstrap_from_next_turn: run the critic first ({TD.key_str(value_key)} and "
-            f"{TD.key_str(next_value_key)} are needed, e.g. from CausalLMCritic)"
-        )
+    def need(key, what, fix):
+        return TD.require(tensordict, key, module="bootstrap_from_next_turn", what=what, fix=fix, collector_fix=False)
+
+    mask = need(mask_key, "the response mask", "it is written by LLMToTokenBatch (set mask_key= if it lives elsewhere)")
+    link = need(link_key, "the next turn's row", "it is written by LLMToTokenBatch(layout='turn')")
+    critic = "run the critic first (e.g. CausalLMCritic)"
+    value, next_value = need(value_key, "the values", critic), need(next_value_key, "the next values", critic)
     mask = _validate.check_mask(mask, link.shape, "next_turn_row")
     B, T = mask.shape
     trailing = next_value.dim() == 3

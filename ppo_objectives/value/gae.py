@@ -295,10 +295,13 @@ class MaskedGAE(ValueEstimatorBase):
     def out_keys(self):
         return [self.tensor_keys.advantage, self.tensor_keys.value_target]
 
-    def _values(self, tensordict: TensorDictBase, key: NestedKey, params, *, next_step: bool) -> Tensor | None:
+    def _values(self, tensordict: TensorDictBase, key: NestedKey, params, *, next_step: bool, fix: str) -> Tensor:
         """The value entry, computed by ``value_network`` when missing (bootstrap values without gradient)."""
+        if self.value_network is None:
+            what = "the next values" if next_step else "the critic's values"
+            return TD.require(tensordict, key, module="MaskedGAE", what=what, fix=fix, collector_fix=False)
         value = tensordict.get(key, None)
-        if value is not None or self.value_network is None:
+        if value is not None:
             return value
         ctx = (
             params.to_module(self.value_network, preserve_module_state=False)
@@ -355,15 +358,10 @@ class MaskedGAE(ValueEstimatorBase):
                 f"found {keys.steps_to_next_obs!r}: multi-step returns are not supported by MaskedGAE "
                 "(the result would ignore the n-step discount); use torchrl.objectives.value.GAE"
             )
-        reward = tensordict.get(("next", keys.reward), None)
-        if reward is None:
-            raise KeyError(f"MaskedGAE: the reward {('next', keys.reward)!r} is missing from the TensorDict")
-        value = self._values(tensordict, keys.value, params, next_step=False)
-        if value is None:
-            raise KeyError(
-                f"MaskedGAE: the value {keys.value!r} is missing and no value_network was given; "
-                "store the critic's values at rollout time or pass value_network="
-            )
+        reward = TD.require(tensordict, ("next", keys.reward), module="MaskedGAE", what="the per-step reward",
+                            fix="the environment (or a reward transform) writes it under 'next'", collector_fix=False)
+        fix = "no value_network was given: store the critic's values at rollout time or pass value_network="
+        value = self._values(tensordict, keys.value, params, next_step=False, fix=fix)
         shape, trailing_one = TD.step_shape(value, tensordict.batch_dims)
         ref = f"value {keys.value!r}"
         r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
@@ -442,13 +440,10 @@ class MaskedGAE(ValueEstimatorBase):
         flags = [None if x is None else flag(x, k) for x, k in
                  ((done, keys.done), (terminated, keys.terminated), (truncated, keys.truncated))]  # fmt: skip
         done, terminated, _ = F.resolve_done_flags(*flags)
-        next_value = self._values(tensordict, TD.next_key(keys.value), next_params, next_step=True)
-        if next_value is None:
-            raise KeyError(
-                f"MaskedGAE: done flags are present (collector layout) but {TD.next_key(keys.value)!r} is missing "
-                "and no value_network was given; it is needed to bootstrap truncated trajectories and rows cut "
-                "by the batch boundary (using 0 would treat them as terminated). Store the next values, pass "
-                "value_network=, or drop the done flags for LLM data where every row ends its response."
-            )
+        fix = ("done flags are present (collector layout) and no value_network was given; the next values "
+               "bootstrap truncated trajectories and rows cut by the batch boundary (using 0 would treat them as "
+               "terminated). Store the next values, pass value_network=, or drop the done flags for LLM data where "
+               "every row ends its response")
+        next_value = self._values(tensordict, TD.next_key(keys.value), next_params, next_step=True, fix=fix)
         nv = TD.time_last(next_value, f"next value {TD.next_key(keys.value)!r}", shape, ref)
         return dict(done=done, terminated=terminated, next_values=nv)
