@@ -170,6 +170,62 @@ def check_aggregation(aggregation: str) -> None:
         raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+
+
+def check_kl_options(estimator: object, clamp: object) -> float | None:
+    """A KL ``estimator`` name and an optional positive ``clamp`` (returned as a float)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+    return None if clamp is None else check_positive("clamp", clamp)
+
+
+def check_log_probs(tensors: dict[str, Tensor], where: str = "kl_estimate") -> None:
+    """Log-probabilities are <= 0: a tensor whose finite values are all >= 0 with some above rounding holds
+    probabilities (or other non-negative scores), not log-probs (one host read; skipped under
+    ``value_checks(False)``). A tensor with any negative value passes, so whatever a caller's mask hides at
+    padded positions (garbage, NaN) never decides the check on its own."""
+    if not checking_values():
+        return
+    for name, x in tensors.items():
+        if x is not None and x.numel() and x.is_floating_point():
+            finite = torch.isfinite(x)
+            low = float(torch.where(finite, x.detach(), 0.0).min())
+            top = float(torch.where(finite, x.detach(), -1.0).max())
+            if low >= 0.0 and top > 1e-3:
+                raise ValueError(
+                    f"{where}: {name} holds no negative value (max {top:.4g}), but log-probabilities are <= 0: "
+                    f"pass log-probs (torch.log(p), or log_softmax(logits).gather(...)), not probabilities"
+                )
+
+
+def check_scored_rows(m: Tensor) -> None:
+    """Every row that gets a sequence score has a valid token to carry it (one host read; skipped under
+    ``value_checks(False)``)."""
+    if checking_values() and m.numel() and not bool(m.any(-1).all()):
+        idx = (~m.any(-1)).nonzero()[:5]
+        empty = idx.flatten().tolist() if idx.shape[1] == 1 else [tuple(i) for i in idx.tolist()]
+        raise ValueError(
+            f"rows {empty} have no valid token (empty mask), so their sequence score "
+            "would be dropped; remove those rows or mark their last token valid"
+        )
+
+
+def check_normalizer(normalizer: object, ref: Tensor) -> Tensor | float | None:
+    """A loss's ``normalizer=``: ``None``, a positive float, or a positive one-element float tensor on ``ref``'s
+    device (returned 0-d)."""
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, Tensor):
+        if normalizer.numel() != 1 or not normalizer.is_floating_point():
+            raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got "
+                            f"{normalizer.dtype} {tuple(normalizer.shape)}")
+        check_same_device(per_token=ref, normalizer=normalizer)
+        check_positive("normalizer", normalizer)
+        return normalizer.reshape(())
+    return check_positive("normalizer", normalizer)
+
+
 def check_clip_epsilon(clip_epsilon: object) -> tuple[float, float]:
     """``(eps_low, eps_high)`` of a ``clip_epsilon`` given as one float (symmetric) or a pair (TorchRL's form)."""
     if isinstance(clip_epsilon, (tuple, list)):

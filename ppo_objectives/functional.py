@@ -42,6 +42,8 @@ from torch import Tensor
 
 from ppo_objectives import _validate
 from ppo_objectives._kernels import gae as _gae_fast
+from ppo_objectives._kernels import losses as L
+from ppo_objectives._kernels import masked as K
 from ppo_objectives._kernels import logprobs as _logprobs
 from ppo_objectives._validate import value_checks
 
@@ -74,31 +76,8 @@ __all__ = [
 ]
 
 AGGREGATIONS = _validate.AGGREGATIONS
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+KL_ESTIMATORS = _validate.KL_ESTIMATORS
 
-
-def _rows(x: Tensor) -> Tensor:
-    """View ``[*B, R]`` as ``[prod(B), R]`` (also for R = 0 or empty batches)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-def _all_reduce_sum(t: Tensor, process_group) -> Tensor:
-    """Sum ``t`` over the ranks of ``process_group`` (no-op for ``None``); not differentiable."""
-    if process_group is None:
-        return t
-    import torch.distributed as dist
-
-    out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=process_group)
-    return out
-
-
-def _world_size(process_group) -> int:
-    if process_group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(process_group)
 
 
 # --------------------------------------------------------------------------- #
@@ -123,23 +102,10 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
-    return _sum(x, m, dim, keepdim=keepdim)
+    return K.masked_sum(x, m, dim, keepdim=keepdim)
 
 
-# The unchecked arithmetic the public functions share: inputs already checked by the public call that
-# runs them (a bool mask of x's shape on x's device), so that one call checks its tensors once.
 
-
-def _sum(x: Tensor, m: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
-    xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    if dim is None:
-        return xs.sum().reshape([1] * x.dim()) if keepdim else xs.sum()
-    return xs.sum(dim=dim, keepdim=keepdim)
-
-
-def _mean(x: Tensor, m: Tensor) -> Tensor:
-    """``masked_mean(x, m)`` over every position, unchecked."""
-    return _sum(x, m) / m.sum().to(x.dtype).clamp(min=1)
 
 
 def masked_mean(
@@ -182,13 +148,13 @@ def masked_mean(
     if process_group is not None and dim is not None:
         raise ValueError("masked_mean: process_group needs dim=None (a global mean over every rank's tokens)")
     if dim is None:
-        total, count = _sum(x, m), m.sum().to(x.dtype)
+        total, count = K.masked_sum(x, m), m.sum().to(x.dtype)
         if process_group is not None:
-            both = _all_reduce_sum(torch.stack([total.detach(), count]), process_group)
+            both = K.all_reduce_sum(torch.stack([total.detach(), count]), process_group)
             total, count = total + (both[0] - total.detach()), both[1]
         out = total / count.clamp(min=1)
         return out.reshape([1] * x.dim()) if keepdim else out
-    total = _sum(x, m, dim, keepdim=keepdim)
+    total = K.masked_sum(x, m, dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim)
     return total / count.clamp(min=1).to(x.dtype)
 
@@ -219,30 +185,8 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
-    return _masked_moments(x, m, unbiased, process_group)[1]
+    return K.masked_moments(x, m, unbiased, process_group)[1]
 
-
-def _masked_moments(
-    x: Tensor, m: Tensor, unbiased: bool, process_group, *, zero_off_mask: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(mean, var, x - mean)`` over the valid positions of validated ``x`` / bool ``m``
-    (the centred values are 0 at masked positions): three passes over the data, two when
-    ``x`` is known to be exactly 0 off the mask (``zero_off_mask``, the raw GAE advantages)."""
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    if m is None:  # every position valid (the GAE of unmasked rows)
-        total, n = x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)
-    else:
-        total, n = (x if zero_off_mask else torch.where(m, x, zero)).sum(), m.sum().to(x.dtype)
-    if process_group is not None:
-        both = _all_reduce_sum(torch.stack([total.detach(), n]), process_group)
-        total, n = total + (both[0] - total.detach()), both[1]
-    mean = total / n.clamp(min=1)
-    centred = x - mean if m is None else torch.where(m, x - mean, zero)
-    sq = (centred * centred).sum()
-    if process_group is not None:
-        sq = sq + (_all_reduce_sum(sq, process_group) - sq.detach())
-    var = sq / (n - 1).clamp(min=1) if unbiased else sq / n.clamp(min=1)
-    return mean, var, centred
 
 
 def masked_whiten(
@@ -283,12 +227,7 @@ def masked_whiten(
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_positive("eps", eps)
-    cd = _validate.compute_dtype(x)
-    mean, var, centred = _masked_moments(x.to(cd), m, unbiased, process_group)
-    out = centred * torch.rsqrt(var + eps)  # 0 at masked positions
-    if not shift_mean:
-        out = torch.where(m, out + mean, torch.zeros((), dtype=cd, device=x.device))
-    return out.to(x.dtype)
+    return K.whiten(x, m, shift_mean=shift_mean, unbiased=unbiased, eps=eps, process_group=process_group)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
@@ -312,12 +251,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         tensor(0.)
     """
     m = _validate.check_token_tensors(mask, values=values, returns=returns)
-    cd = _validate.compute_dtype(values, returns)
-    v, r = values.detach().to(cd), returns.detach().to(cd)
-    var_r = _masked_moments(r, m, False, None)[1]
-    var_res = _masked_moments(r - torch.where(m, v, 0.0), m, False, None)[1]
-    safe = torch.where(var_r > 0, var_r, torch.ones_like(var_r))
-    return torch.where(var_r > 0, 1.0 - var_res / safe, torch.zeros_like(var_r))
+    return K.explained_variance(values, returns, m)
 
 
 # --------------------------------------------------------------------------- #
@@ -661,8 +595,8 @@ def _gae_inputs(token_rewards, values, mask, gamma, lmbda, bootstrap_value, done
             )
     extra = tuple(x for x in (bootstrap_value, next_values) if x is not None)
     cd = _validate.compute_dtype(token_rewards, values, *extra)
-    r = _rows(token_rewards.to(cd))
-    v = _rows(values.to(cd))
+    r = K.rows(token_rewards.to(cd))
+    v = K.rows(values.to(cd))
     boot = None if bootstrap_value is None else bootstrap_value.to(cd).reshape(-1)
     if isinstance(gamma, Tensor):
         gamma = gamma.to(cd).reshape(())
@@ -670,11 +604,11 @@ def _gae_inputs(token_rewards, values, mask, gamma, lmbda, bootstrap_value, done
         lmbda = _check_row_lmbda(lmbda, batch_shape).to(cd).reshape(-1)  # [N]: one lambda per row
     elif isinstance(lmbda, Tensor):
         lmbda = lmbda.to(cd).reshape(())
-    m = None if m is None else _rows(m)
+    m = None if m is None else K.rows(m)
     ends = end_values = None
     if flags["done"] is not None or flags["terminated"] is not None or next_values is not None:
-        rows = lambda x: None if x is None else _rows(x)  # noqa: E731
-        nv = None if next_values is None else _rows(next_values.to(cd))
+        rows = lambda x: None if x is None else K.rows(x)  # noqa: E731
+        nv = None if next_values is None else K.rows(next_values.to(cd))
         ends, end_values = _segment_ends(m, r.shape, rows(flags["done"]), rows(flags["terminated"]), nv, boot)
         boot = None
     return r, v, m, gamma, lmbda, boot, ends, end_values, cd
@@ -768,7 +702,7 @@ def _gae_finish(adv_raw, v, m, average_gae, shape, out_dtype, process_group=None
     returns = adv_raw + v if m is None else torch.where(m, adv_raw + v, zero)
     adv = adv_raw
     if average_gae:  # masked_whiten(adv_raw, m), knowing that every kernel writes exact zeros off the mask
-        _, var, centred = _masked_moments(adv_raw, m, False, process_group, zero_off_mask=True)
+        _, var, centred = K.masked_moments(adv_raw, m, False, process_group, zero_off_mask=True)
         adv = centred * torch.rsqrt(var + 1e-8)
     return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
 
@@ -1014,24 +948,8 @@ def loss_normalizer(mask: Tensor, aggregation: str = "token-mean", *, process_gr
     m = _validate.check_tensor("mask", mask)
     if m.dim() < 1:
         raise ValueError("mask must have a token axis: shape [*B, R], got a scalar")
-    return _normalizer(_validate.check_mask(mask, mask.shape, "mask"), aggregation, process_group)
+    return K.normalizer(_validate.check_mask(mask, mask.shape, "mask"), aggregation, process_group)
 
-
-def _normalizer(m: Tensor, aggregation: str, process_group=None) -> Tensor:
-    """:func:`loss_normalizer` of a checked bool mask and mode."""
-    R = m.shape[-1]
-    fm = _rows(m)
-    if aggregation in ("token-sum", "token-sum-norm"):  # a constant: the same on every rank and micro-batch
-        count = torch.tensor(1.0 if aggregation == "token-sum" else float(R), device=m.device)
-        return count.clamp(min=1) / _world_size(process_group)
-    if aggregation == "token-mean":
-        count = fm.sum()
-    elif aggregation == "seq-mean-token-sum-norm":
-        count = torch.tensor(fm.shape[0] * R, device=m.device)
-    else:
-        count = fm.any(-1).sum()
-    count = _all_reduce_sum(count.to(torch.float32), process_group)
-    return count.clamp(min=1) / _world_size(process_group)
 
 
 @_validate.renamed_arguments(mode="aggregation")
@@ -1094,31 +1012,9 @@ def aggregate_loss(
     _validate.check_aggregation(aggregation)
     if per_token.dim() < 1:
         raise ValueError("per_token must have a token axis: shape [*B, R], got a scalar")
-    return _aggregate(per_token, _validate.check_mask(mask, per_token.shape, "per_token"), aggregation, normalizer)
+    m = _validate.check_mask(mask, per_token.shape, "per_token")
+    return K.aggregate(per_token, m, aggregation, _validate.check_normalizer(normalizer, per_token))
 
-
-def _aggregate(per_token: Tensor, m: Tensor, aggregation: str, normalizer: Tensor | float | None) -> Tensor:
-    """:func:`aggregate_loss` of a checked per-token loss, bool mask and mode (``normalizer`` is checked here:
-    the public losses pass theirs through)."""
-    if normalizer is None:
-        normalizer = _normalizer(m, aggregation)
-    elif isinstance(normalizer, Tensor):
-        if normalizer.numel() != 1 or not normalizer.is_floating_point():
-            raise TypeError(f"normalizer must be a positive float or a one-element float tensor, got {normalizer.dtype} {tuple(normalizer.shape)}")
-        _validate.check_same_device(per_token=per_token, normalizer=normalizer)
-        _validate.check_positive("normalizer", normalizer)
-        normalizer = normalizer.reshape(())
-    else:
-        normalizer = _validate.check_positive("normalizer", normalizer)
-    flat, fm = _rows(per_token), _rows(m)
-    if aggregation in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
-        numerator = _sum(flat, fm)
-    else:
-        seq = _sum(flat, fm, dim=-1)
-        if aggregation == "seq-mean-token-mean":
-            seq = seq / fm.sum(-1).clamp(min=1).to(per_token.dtype)
-        numerator = seq.sum()
-    return numerator / normalizer
 
 
 # --------------------------------------------------------------------------- #
@@ -1207,47 +1103,14 @@ def ppo_policy_loss(
     if dual_clip is not None:
         dual_clip = _validate.check_positive("dual_clip", dual_clip, above=1.0, what=" (the dual-clip constant c must exceed 1)")
     _validate.check_aggregation(aggregation)
-    cd = _validate.compute_dtype(log_prob, sample_log_prob, advantages)
-    zero = torch.zeros((), dtype=cd, device=log_prob.device)
-    log_ratio = torch.where(m, log_prob.to(cd) - sample_log_prob.to(cd), zero)
-    adv = torch.where(m, advantages.to(cd), zero)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
     if weights is not None:
-        per_token = per_token * _token_weights(weights, m, log_prob, cd)
-    loss = _aggregate(per_token, m, aggregation, normalizer)
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        r = ratio.detach()
-        low, high = r < 1.0 - eps_low, r > 1.0 + eps_high
-        fm = lambda b: _mean(b.to(cd), m)  # noqa: E731 - fraction of valid tokens
-        n = m.sum().to(cd)
-        sum_w = torch.where(m, r, zero).sum()
-        sum_w2 = torch.where(m, r * r, zero).sum()
-        ess = torch.where(n > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(cd).tiny), zero)
-        if dual_clip is not None:
-            dual = (adv < 0) & (-adv * dual_clip < torch.maximum(unclipped, clipped))
-        else:
-            dual = torch.zeros_like(m)
-        stats = {
-            "clip_fraction": fm(low | high),
-            "clip_fraction_low": fm(low),
-            "clip_fraction_high": fm(high),
-            "dual_clip_fraction": fm(dual),
-            "kl_approx": _mean(0.5 * log_ratio.detach() ** 2, m),
-            # log_ratio is 0 at masked positions, so the max of an empty mask is 0
-            "kl_approx_token_max": (0.5 * log_ratio.detach() ** 2).max() if log_ratio.numel() else zero,
-            "mean_ratio": _mean(r, m),
-            # ratios are positive, so a 0 appended makes the max of an empty mask 0
-            "max_ratio": torch.cat([torch.where(m, r, zero).flatten(), zero.reshape(1)]).max(),
-            "ESS": ess,
-        }
-    return loss, stats
+        _validate.check_float("weights", weights)
+        _validate.check_same_shape("log_prob", log_prob, weights=weights)
+        _validate.check_same_device(log_prob=log_prob, weights=weights)
+    return L.policy_loss(
+        log_prob, sample_log_prob, advantages, m, eps_low, eps_high, dual_clip=dual_clip, aggregation=aggregation,
+        norm=_validate.check_normalizer(normalizer, log_prob), weights=weights, stats=return_stats,
+    )
 
 
 @_validate.renamed_arguments(new_logps="log_prob", old_logps="sample_log_prob")
@@ -1264,15 +1127,8 @@ def approx_kl(log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor) -> Tensor
     m = _validate.check_token_tensors(mask, log_prob=log_prob, sample_log_prob=sample_log_prob)
     cd = _validate.compute_dtype(log_prob, sample_log_prob)
     d = torch.where(m, log_prob.detach().to(cd) - sample_log_prob.detach().to(cd), 0.0)
-    return _mean(0.5 * d * d, m)
+    return K.masked_mean(0.5 * d * d, m)
 
-
-def _token_weights(weights: Tensor, m: Tensor, ref: Tensor, cd: torch.dtype) -> Tensor:
-    """The validated ``weights=`` of :func:`ppo_policy_loss`: detached, in ``cd``, 0 at masked positions."""
-    _validate.check_float("weights", weights)
-    _validate.check_same_shape("log_prob", ref, weights=weights)
-    _validate.check_same_device(log_prob=ref, weights=weights)
-    return torch.where(m, weights.detach().to(cd), torch.zeros((), dtype=cd, device=ref.device))
 
 
 # --------------------------------------------------------------------------- #
@@ -1412,12 +1268,12 @@ def _rollout_stats(w: Tensor, m: Tensor, clipped: Tensor, rejected: Tensor) -> d
     sum_w, sum_w2 = w.sum(), (w * w).sum()
     n = m.sum().to(w.dtype)
     return {
-        "clip_fraction": _mean(clipped.to(w.dtype), m),
-        "mask_fraction": _mean(rejected.to(w.dtype), m),
-        "seq_clip_fraction": _mean(clipped.any(-1).to(w.dtype), rows),
-        "seq_mask_fraction": _mean(rejected.any(-1).to(w.dtype), rows),
+        "clip_fraction": K.masked_mean(clipped.to(w.dtype), m),
+        "mask_fraction": K.masked_mean(rejected.to(w.dtype), m),
+        "seq_clip_fraction": K.masked_mean(clipped.any(-1).to(w.dtype), rows),
+        "seq_mask_fraction": K.masked_mean(rejected.any(-1).to(w.dtype), rows),
         "ESS": torch.where(sum_w2 > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(w.dtype).tiny), zero),
-        "mean_weight": _mean(w, m),
+        "mean_weight": K.masked_mean(w, m),
         # weights are >= 0, so a 0 appended makes the max of an empty mask 0
         "max_weight": torch.cat([w.flatten(), zero.reshape(1)]).max(),
     }
@@ -1492,60 +1348,10 @@ def kl_estimate(
     """
     tensors = dict(log_prob=log_prob, ref_log_prob=ref_log_prob) | ({} if sample_log_prob is None else dict(sample_log_prob=sample_log_prob))
     _validate.check_token_tensors(None, **tensors)
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
-    if clamp is not None:
-        clamp = _validate.check_positive("clamp", clamp)
-    _check_log_probs(tensors)
-    cd = _validate.compute_dtype(*tensors.values())
-    lp = log_prob.to(cd)
-    kl = _kl_values(lp, ref_log_prob.to(cd), estimator, clamp)
-    weight = None
-    if sample_log_prob is not None:  # sampled from pi_old: weight by pi / pi_old (the gradient flows through it)
-        weight = torch.exp(lp - sample_log_prob.to(cd).detach())
-        kl = weight * kl
-    if score_grad:  # the value of kl, the gradient w * log(pi / pi_ref) * grad log pi
-        coef = (lp - ref_log_prob.to(cd)).detach() * (1.0 if weight is None else weight.detach())
-        kl = kl.detach() + (lp - lp.detach()) * coef
-    return kl
+    clamp = _validate.check_kl_options(estimator, clamp)
+    _validate.check_log_probs(tensors)
+    return L.kl_estimate(log_prob, ref_log_prob, estimator, clamp, sample_log_prob, score_grad)
 
-
-def _check_log_probs(tensors: dict[str, Tensor]) -> None:
-    """Log-probabilities are <= 0: a tensor whose finite values are all >= 0 with some above rounding holds
-    probabilities (or other non-negative scores), not log-probs (one host read; skipped under
-    ``value_checks(False)``). A tensor with any negative value passes, so whatever a caller's mask hides at
-    padded positions (garbage, NaN) never decides the check on its own."""
-    if not _validate.checking_values():
-        return
-    for name, x in tensors.items():
-        if x.numel() and x.is_floating_point():
-            finite = torch.isfinite(x)
-            low = float(torch.where(finite, x.detach(), 0.0).min())
-            top = float(torch.where(finite, x.detach(), -1.0).max())
-            if low >= 0.0 and top > 1e-3:
-                raise ValueError(
-                    f"kl_estimate: {name} holds no negative value (max {top:.4g}), but log-probabilities are <= 0: "
-                    f"pass log-probs (torch.log(p), or log_softmax(logits).gather(...)), not probabilities"
-                )
-
-
-def _kl_values(log_prob: Tensor, ref_log_prob: Tensor, estimator: str, clamp: float | None) -> Tensor:
-    """The per-token estimate of validated compute-dtype log-probs (see :func:`kl_estimate`)."""
-    d = ref_log_prob - log_prob
-    if estimator == "k1":
-        kl = -d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        k3 = torch.expm1(d) - d
-        if estimator == "k3+":  # the value of (clamped) k3, the gradient of k2
-            k2 = 0.5 * d * d
-            value = k3 if clamp is None else k3.clamp(-clamp, clamp)
-            return k2 + (value - k2).detach()
-        kl = k3
-    if clamp is not None:
-        kl = kl.clamp(-clamp, clamp)
-    return kl
 
 
 @_validate.renamed_arguments(
@@ -1592,12 +1398,11 @@ def reference_kl_penalty(
     old = {} if sample_log_prob is None else dict(sample_log_prob=sample_log_prob)
     m = _validate.check_token_tensors(mask, log_prob=log_prob, ref_log_prob=ref_log_prob, **old)
     _validate.check_aggregation(aggregation)
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    safe_pol = torch.where(m, log_prob, zero)
-    safe_ref = torch.where(m, ref_log_prob.to(log_prob.dtype), zero)
-    safe_old = None if sample_log_prob is None else torch.where(m, sample_log_prob.to(log_prob.dtype), zero)
-    kl = kl_estimate(safe_pol, safe_ref, estimator, clamp=clamp, sample_log_prob=safe_old, score_grad=score_grad)
-    return _aggregate(kl, m, aggregation, normalizer)
+    clamp = _validate.check_kl_options(estimator, clamp)
+    lp, ref, old = L.masked_log_probs(m, log_prob, ref_log_prob, sample_log_prob)
+    _validate.check_log_probs(dict(log_prob=lp, ref_log_prob=ref, sample_log_prob=old))
+    return L.reference_kl(lp, ref, m, estimator=estimator, clamp=clamp, sample_log_prob=old, score_grad=score_grad,
+                          aggregation=aggregation, norm=_validate.check_normalizer(normalizer, log_prob))
 
 
 def last_valid_index(mask: Tensor) -> Tensor:
@@ -1618,10 +1423,7 @@ def last_valid_index(mask: Tensor) -> Tensor:
     if mask.dim() < 1:
         raise ValueError(f"mask must be [*B, R], got a scalar of shape {tuple(mask.shape)}")
     m = _validate.check_mask(mask, mask.shape, "mask")
-    if m.shape[-1] == 0:
-        return torch.full(m.shape[:-1], -1, dtype=torch.long, device=m.device)
-    positions = torch.arange(m.shape[-1], device=m.device)
-    return torch.where(m, positions, -1).amax(-1)
+    return K.last_valid(m)
 
 
 @_validate.renamed_arguments(logps="log_prob", ref_logps="ref_log_prob")
@@ -1647,15 +1449,17 @@ def masked_kl_estimate(
         tensor([[0.5000, 0.0000]])
     """
     m = _validate.check_token_tensors(mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
-    return _masked_kl(log_prob, ref_log_prob, m, estimator, clamp)
+    return _checked_masked_kl(log_prob, ref_log_prob, m, estimator, clamp)
 
 
-def _masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estimator: str, clamp: float | None) -> Tensor:
-    """:func:`masked_kl_estimate` of checked token tensors and bool mask (:func:`kl_estimate` checks the
-    estimator, the clamp and that the valid values are log-probs)."""
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    kl = kl_estimate(torch.where(m, log_prob, zero), torch.where(m, ref_log_prob.to(log_prob.dtype), zero), estimator, clamp=clamp)
-    return torch.where(m, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
+def _checked_masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estimator: str, clamp) -> Tensor:
+    """:func:`masked_kl_estimate` of checked token tensors and bool mask: checks the estimator, the clamp and
+    that the valid values are log-probs, then computes."""
+    clamp = _validate.check_kl_options(estimator, clamp)
+    lp, ref = L.masked_log_probs(m, log_prob, ref_log_prob)
+    _validate.check_log_probs(dict(log_prob=lp, ref_log_prob=ref))
+    return L.masked_kl(log_prob, ref_log_prob, m, estimator, clamp)
+
 
 
 @_validate.renamed_arguments(logps="sample_log_prob", ref_logps="ref_log_prob", kl_coeff="kl_reward_coeff")
@@ -1707,30 +1511,18 @@ def kl_penalized_rewards(
     """
     _validate.check_float("rewards", rewards)
     m = _validate.check_token_tensors(mask, sample_log_prob=sample_log_prob, ref_log_prob=ref_log_prob)
-    kl = _masked_kl(sample_log_prob, ref_log_prob, m, estimator, clamp)
+    kl = _checked_masked_kl(sample_log_prob, ref_log_prob, m, estimator, clamp)
     _validate.check_same_device(rewards=rewards, sample_log_prob=sample_log_prob)
     shape = sample_log_prob.shape
-    if rewards.shape == shape:
-        dense = rewards
-    elif rewards.shape == shape[:-1]:
-        if _validate.checking_values() and m.numel() and not bool(m.any(-1).all()):
-            idx = (~m.any(-1)).nonzero()[:5]
-            empty = idx.flatten().tolist() if idx.shape[1] == 1 else [tuple(i) for i in idx.tolist()]
-            raise ValueError(
-                f"rows {empty} have no valid token (empty mask), so their sequence score "
-                "would be dropped; remove those rows or mark their last token valid"
-            )
-        at_last = m & (torch.arange(shape[-1], device=m.device) == last_valid_index(m).unsqueeze(-1))
-        dense = torch.where(at_last, rewards.unsqueeze(-1), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
-    else:
+    if rewards.shape == shape[:-1]:
+        _validate.check_scored_rows(m)
+    elif rewards.shape != shape:
         raise ValueError(
             f"rewards has shape {tuple(rewards.shape)} but sample_log_prob define [*B, R] = {tuple(shape)}: expected a "
             f"per-token reward {tuple(shape)} or one score per sequence {tuple(shape[:-1])}; broadcasting it "
             "would mix tokens of different sequences"
         )
-    coeff = torch.as_tensor(kl_reward_coeff, device=kl.device).to(kl.dtype)
-    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    return torch.where(m, dense - coeff * kl, zero), kl
+    return L.penalized_rewards(rewards, kl, m, kl_reward_coeff), kl
 
 
 def adaptive_kl_coeff(
@@ -1819,18 +1611,5 @@ def clipped_value_loss(
     m = _validate.check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
     c = _validate.check_positive("clip_value", clip_value)
     _validate.check_aggregation(aggregation)
-    cd = _validate.compute_dtype(values, old_values, returns)
-    zero = torch.zeros((), dtype=cd, device=values.device)
-    v = torch.where(m, values.to(cd), zero)
-    v_old = torch.where(m, old_values.to(cd), zero)
-    ret = torch.where(m, returns.to(cd), zero)
-    v_clip = torch.clamp(v, v_old - c, v_old + c)
-    unclipped = (v - ret) ** 2
-    clipped = (v_clip - ret) ** 2
-    per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = _aggregate(per_token, m, aggregation, normalizer)
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        frac = _mean((clipped > unclipped).to(cd), m)
-    return loss, {"value_clip_fraction": frac}
+    return L.value_loss(values, old_values, returns, m, c, aggregation=aggregation,
+                        norm=_validate.check_normalizer(normalizer, values), stats=return_stats)

@@ -32,6 +32,8 @@ from torchrl.objectives.value import ValueEstimatorBase
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
 from ppo_objectives import functional as F
+from ppo_objectives._kernels import losses as L
+from ppo_objectives._kernels import masked as K
 from ppo_objectives.value.gae import MaskedGAE
 
 __all__ = ["MINIMIND_PPO_DEFAULTS", "TokenPPOLoss"]
@@ -502,9 +504,12 @@ class TokenPPOLoss(LossModule):
         if _validate.checking_values() and batch.mask.numel() and not bool(batch.mask.any()):
             warnings.warn(_EMPTY_MASK_WARNING, UserWarning, stacklevel=2)
         log_prob, entropy = self._actor_outputs(td, batch)
-        out = self._policy_terms(batch, log_prob, entropy, normalizer)
+        tensors = {name: getattr(batch, name) for name in _Batch._fields[2:] if getattr(batch, name) is not None}
+        _validate.check_same_device(log_prob=log_prob, **tensors)
+        norm = _validate.check_normalizer(normalizer, log_prob)
+        out = self._policy_terms(batch, log_prob, entropy, norm)
         if self._has_critic:
-            self._critic_terms(td, batch, out, normalizer)
+            self._critic_terms(td, batch, out, norm)
         return out
 
     def _read_batch(self, td: TensorDictBase) -> _Batch:
@@ -515,26 +520,27 @@ class TokenPPOLoss(LossModule):
         shape, _ = TD.step_shape(sample_log_prob, td.batch_dims)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
-        def get(key, what, fix="", required=True):
+        def get(key, name, what, fix="", required=True):
             if not required and td.get(key, None) is None:
                 return None
             x = TD.require(td, key, module="TokenPPOLoss", what=what, fix=fix)
-            return TD.time_last(x, f"{what} {key!r}", shape, ref).detach()
+            return _validate.check_float(name, TD.time_last(x, f"{what} {key!r}", shape, ref)).detach()
 
         critic = self._has_critic
         return _Batch(
             shape=shape,
             ref=ref,
-            sample_log_prob=get(k.sample_log_prob, "sample_log_prob"),
-            advantage=get(k.advantage, "advantage"),
+            sample_log_prob=get(k.sample_log_prob, "sample_log_prob", "sample_log_prob"),
+            advantage=get(k.advantage, "advantage", "advantage"),
             mask=TD.mask_or_all(td.get(k.mask, None), f"mask {k.mask!r}", shape, ref, sample_log_prob.device),
-            ref_log_prob=get(k.ref_log_prob, "reference log-probs", _REF_FIX, self._requires_ref),
-            returns=get(k.value_target, "value target", "run the value estimator (MaskedGAE) first") if critic else None,
-            old_values=get(
-                k.value, "rollout values", "needed because clip_value is set", critic and self.clip_value is not None
-            ),
-            rollout_log_prob=get(k.rollout_log_prob, "rollout log-probs", _ROLLOUT_FIX, self.rollout_correction is not None),
-        )
+            ref_log_prob=get(k.ref_log_prob, "ref_log_prob", "reference log-probs", _REF_FIX, self._requires_ref),
+            returns=get(k.value_target, "value_target", "value target", "run the value estimator (MaskedGAE) first")
+            if critic else None,
+            old_values=get(k.value, "state_value", "rollout values", "needed because clip_value is set",
+                           critic and self.clip_value is not None),
+            rollout_log_prob=get(k.rollout_log_prob, "rollout_log_prob", "rollout log-probs", _ROLLOUT_FIX,
+                                 self.rollout_correction is not None),
+        )  # fmt: skip
 
     def _actor_outputs(self, td: TensorDictBase, batch: _Batch) -> tuple[Tensor, Tensor | None]:
         """The actor's ``[*B, R]`` log-probs (and entropy, when it writes one) under the current parameters."""
@@ -550,57 +556,58 @@ class TokenPPOLoss(LossModule):
                    "from the actor (e.g. response_log_probs(..., return_entropy=True))")
             entropy = TD.require(out, k.entropy, module="TokenPPOLoss", what="the actor's entropy", fix=fix,
                                  collector_fix=False)
-        log_prob = TD.time_last(log_prob, f"actor output {k.log_prob!r}", batch.shape, batch.ref)
+        log_prob = _validate.check_float("log_prob", TD.time_last(log_prob, f"actor output {k.log_prob!r}", batch.shape,
+                                                                  batch.ref))  # fmt: skip
         if entropy is not None:
-            entropy = TD.time_last(entropy, f"actor output {k.entropy!r}", batch.shape, batch.ref)
+            entropy = _validate.check_float("entropy", TD.time_last(entropy, f"actor output {k.entropy!r}", batch.shape,
+                                                                    batch.ref))  # fmt: skip
         return log_prob, entropy
 
-    def _policy_terms(self, b: _Batch, log_prob: Tensor, entropy: Tensor | None, normalizer) -> TensorDict:
-        """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics."""
-        agg = {"aggregation": self.aggregation, "normalizer": normalizer}
-        advantage = F.masked_whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
+    def _policy_terms(self, b: _Batch, log_prob: Tensor, entropy: Tensor | None, norm) -> TensorDict:
+        """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics (the batch is checked:
+        the arithmetic is the functional core's, unchecked)."""
+        eps_low, eps_high = _validate.check_clip_epsilon((self.clip_epsilon_low, self.clip_epsilon_high))
+        advantage = K.whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
         weights, rollout_stats = _rollout_weights(self, b)
-        loss_objective, stats = F.ppo_policy_loss(
-            log_prob, b.sample_log_prob, advantage, b.mask, (self.clip_epsilon_low, self.clip_epsilon_high),
-            dual_clip=self.dual_clip, return_stats=True, weights=weights, **agg,
+        loss_objective, stats = L.policy_loss(
+            log_prob, b.sample_log_prob, advantage, b.mask, eps_low, eps_high, dual_clip=self.dual_clip,
+            aggregation=self.aggregation, norm=norm, weights=weights, stats=True,
         )  # fmt: skip
         out = TensorDict({"loss_objective": loss_objective, **rollout_stats})
         zero = loss_objective.new_zeros(())
         out.set("loss_kl_ref", zero)
         if b.ref_log_prob is not None:
-            old = dict(sample_log_prob=b.sample_log_prob) if self.kl_importance_weighted else {}
-            kl_ref = F.reference_kl_penalty(
-                log_prob, b.ref_log_prob, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, **old, **agg
-            )
+            kl_ref = _reference_kl(self, b, log_prob, norm)
             out.set("loss_kl_ref", self.kl_to_ref_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
         out.set("loss_entropy", zero)
         if entropy is not None:
-            out.set("loss_entropy", -self.entropy_coeff * F.aggregate_loss(entropy, b.mask, self.aggregation, normalizer=normalizer))
-            out.set("entropy", F.masked_mean(entropy.detach(), b.mask))
+            out.set("loss_entropy", -self.entropy_coeff * K.aggregate(entropy, b.mask, self.aggregation, norm))
+            out.set("entropy", K.masked_mean(entropy.detach(), b.mask))
         for name, stat in _POLICY_STATS:
             out.set(name, stats[stat])
         if self.dual_clip is not None:
             out.set("dual_clip_fraction", stats["dual_clip_fraction"])
         return out
 
-    def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, normalizer) -> None:
+    def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, norm) -> None:
         """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
         k = self.tensor_keys
         values = TD.require(self._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
                             what="the critic's values", fix="the critic network did not write its [B, R] values",
                             collector_fix=False)  # fmt: skip
-        values = TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref)
-        agg = {"aggregation": self.aggregation, "normalizer": normalizer}
+        values = _validate.check_float("state_value", TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref))
+        _validate.check_same_device(state_value=values, mask=b.mask)
         if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
-            loss_critic = F.clipped_value_loss(values, values.detach(), b.returns, b.mask, 1.0, **agg)
+            loss_critic = L.value_loss(values, values.detach(), b.returns, b.mask, 1.0, aggregation=self.aggregation,
+                                       norm=norm)  # fmt: skip
         else:
-            loss_critic, vstats = F.clipped_value_loss(
-                values, b.old_values, b.returns, b.mask, self.clip_value, return_stats=True, **agg
-            )
+            c = _validate.check_positive("clip_value", self.clip_value)
+            loss_critic, vstats = L.value_loss(values, b.old_values, b.returns, b.mask, c, aggregation=self.aggregation,
+                                               norm=norm, stats=True)  # fmt: skip
             out.set("value_clip_fraction", vstats["value_clip_fraction"])
         out.set("loss_critic", self.critic_coeff * loss_critic)
-        out.set("explained_variance", F.explained_variance(values.detach(), b.returns, b.mask))
+        out.set("explained_variance", K.explained_variance(values.detach(), b.returns, b.mask))
 
 
 _REF_FIX = (
@@ -612,6 +619,15 @@ _ROLLOUT_FIX = (
     "needed because rollout_correction is set: store the per-token log-probs of the engine that sampled the "
     "tokens (e.g. vLLM's), rename the key with set_keys(rollout_log_prob=...), or set rollout_correction=None"
 )
+
+
+def _reference_kl(loss: TokenPPOLoss, b: _Batch, log_prob: Tensor, norm) -> Tensor:
+    """The aggregated in-loss KL to the reference (importance weighted with ``kl_importance_weighted``)."""
+    old = b.sample_log_prob if loss.kl_importance_weighted else None
+    lp, ref, old = L.masked_log_probs(b.mask, log_prob, b.ref_log_prob, old)
+    _validate.check_log_probs(dict(log_prob=lp, ref_log_prob=ref, sample_log_prob=old), where="TokenPPOLoss")
+    return L.reference_kl(lp, ref, b.mask, estimator=loss.kl_estimator, clamp=loss.kl_clamp, sample_log_prob=old,
+                          aggregation=loss.aggregation, norm=norm)
 
 
 def _check_overrides(overrides: dict) -> None:

@@ -29,6 +29,8 @@ from torchrl.envs.transforms import Compose, Transform
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
 from ppo_objectives import functional as F
+from ppo_objectives._kernels import losses as L
+from ppo_objectives._kernels import masked as K
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "KLPenaltyTransform"]
 
@@ -372,7 +374,7 @@ class KLPenaltyTransform(Transform):
         _validate.check_float("ref_log_prob", ref)
         m = TD.mask_or_all(mask, f"mask {k.mask!r}", shape, ref_name, logp.device)
         if reward is None:
-            return F.masked_kl_estimate(logp, ref, m, self.estimator, clamp=self.clamp), ref, m, None
+            return self._kl(logp, ref, m), ref, m, None
         _validate.check_float("reward", reward)
         per_token = reward.shape in (shape, shape + (1,))
         if not per_token and reward.shape not in (shape[:-1], shape[:-1] + (1,)):
@@ -383,13 +385,22 @@ class KLPenaltyTransform(Transform):
                 f"{tuple(shape[:-1] + (1,))}; broadcasting it would mix tokens of different sequences"
             )
         flat = reward.reshape(shape if per_token else shape[:-1])
-        try:
-            new, kl = F.kl_penalized_rewards(flat, logp, ref, m, self.coeff, estimator=self.estimator, clamp=self.clamp)
-        except ValueError as err:
-            raise ValueError(f"KLPenaltyTransform: {err}") from None
+        if not per_token:
+            try:
+                _validate.check_scored_rows(m)
+            except ValueError as err:
+                raise ValueError(f"KLPenaltyTransform: {err}") from None
+        kl = self._kl(logp, ref, m)
+        new = L.penalized_rewards(flat, kl, m, self.coeff)
         if per_token:
             return kl, ref, m, new.reshape(reward.shape)
         return kl, ref, m, (new.unsqueeze(-1) if reward.shape == shape[:-1] + (1,) else new)
+
+    def _kl(self, logp: Tensor, ref: Tensor, m: Tensor) -> Tensor:
+        """The per-token KL of a checked batch (0 at masked positions), once its valid values read as log-probs."""
+        lp, ref_lp = L.masked_log_probs(m, logp, ref)
+        _validate.check_log_probs(dict(sample_log_prob=lp, ref_log_prob=ref_lp), where="KLPenaltyTransform")
+        return L.masked_kl(logp, ref, m, self.estimator, self.clamp)
 
     def _record(self, kls: list[Tensor], masks: list[Tensor]) -> None:
         """Observed KL of what was just penalised (detached): masked token mean, mean per-response sum."""
@@ -397,7 +408,7 @@ class KLPenaltyTransform(Transform):
             flat_kl = torch.cat([k.reshape(-1) for k in kls]).float()
             flat_m = torch.cat([m.reshape(-1) for m in masks])
             seq = torch.cat([k.sum(-1).reshape(-1) for k in kls]).float()
-            self.last_kl = F.masked_mean(flat_kl, flat_m).to(self.last_kl.device)
+            self.last_kl = K.masked_mean(flat_kl, flat_m).to(self.last_kl.device)
             self.last_seq_kl = (seq.mean() if seq.numel() else seq.new_zeros(())).to(self.last_seq_kl.device)
 
     # ------------------------------------------------------------------ offline path
@@ -501,7 +512,10 @@ class KLPenaltyTransform(Transform):
         logp = TD.time_last(logp, f"log-probs {k.log_prob!r}", shape, where)
         ref = TD.time_last(ref, f"reference log-probs {k.ref_log_prob!r}", shape, where)
         m = TD.mask_or_all(tensordict.get(k.mask, None), f"mask {k.mask!r}", shape, where, logp.device)
-        kl = F.masked_kl_estimate(logp, ref, m, self.estimator, clamp=self.clamp)
+        _validate.check_float("sample_log_prob", logp)
+        _validate.check_float("ref_log_prob", ref)
+        _validate.check_same_device(sample_log_prob=logp, ref_log_prob=ref, mask=m)
+        kl = self._kl(logp, ref, m)
         if self.add_to_reward:  # the step's reward [*B, 1]: unmasked, it is the env's to define
             reward = next_tensordict.get(k.reward)
             penalty = (self.coeff.to(device=kl.device, dtype=kl.dtype) * kl).to(reward.dtype)
