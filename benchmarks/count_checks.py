@@ -27,7 +27,7 @@ from ppo_objectives.value.gae import MaskedGAE
 
 #: The checks counted: every public function of ``_validate`` that checks something, and ``_td.require``.
 CHECKS = [(_validate, name) for name in dir(_validate)
-          if name.startswith("check_") or name in ("is_real", "compute_dtype")] + [(_td, "require")]
+          if name.startswith("check_") or name == "is_real"] + [(_td, "require")]
 
 
 @contextlib.contextmanager
