@@ -140,3 +140,11 @@ def last_valid(m: Tensor) -> Tensor:
         return torch.full(m.shape[:-1], -1, dtype=torch.long, device=m.device)
     positions = torch.arange(m.shape[-1], device=m.device)
     return torch.where(m, positions, -1).amax(-1)
+
+
+def standardize_unbiased(x: Tensor, m: Tensor) -> Tensor:
+    """TorchRL's masked standardisation of GAE advantages: ``(x - mean) / max(std, 1e-4)`` with the unbiased std
+    over the valid positions, exactly 0 at masked ones (``MaskedGAE(holes="cut")``)."""
+    cd = compute_dtype(x)
+    _, var, centred = masked_moments(x.to(cd), m, True, None)
+    return (centred / var.sqrt().clamp_min(1e-4)).to(x.dtype)

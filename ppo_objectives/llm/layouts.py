@@ -401,10 +401,13 @@ def _get_1d(td: TensorDictBase, key: NestedKey, what: str, where: str) -> Tensor
         return None
     try:
         x = td.get(key, None)
-    except ValueError:
+    except ValueError:  # tensordict 0.14: a key asked inside a tensor
+        x = None
+    if x is None and isinstance(key, tuple) and len(key) > 1:
         # ("next", "ref_log_probs", "full") asked, but ("next", "ref_log_probs") is a tensor:
         # TorchRL's KLRewardTransform stores the reference log-probs one level up
-        x = td.get(key[:-1], None) if isinstance(key, tuple) and len(key) > 1 else None
+        parent = td.get(key[:-1], None)
+        x = parent if isinstance(parent, Tensor) else None
     if x is None:
         return None
     if not isinstance(x, Tensor):

@@ -28,8 +28,12 @@ from torchrl.objectives.value import ValueEstimatorBase
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
 from ppo_objectives import functional as F
+from ppo_objectives._kernels import masked as K
 
 __all__ = ["MaskedGAE"]
+
+#: ``MaskedGAE(holes=...)``: skip the invalid steps inside a row (ours), or cut the trajectory there (TorchRL's).
+HOLES = ("skip", "cut")
 
 
 class MaskedGAE(ValueEstimatorBase):
@@ -151,6 +155,15 @@ class MaskedGAE(ValueEstimatorBase):
             advantages are whitened over the valid steps of every rank, so data-parallel
             ranks get the numbers of one process holding the whole batch (default
             ``None``: this process's batch only).
+        holes: what an invalid step inside a row does. ``"skip"`` (default, this package's
+            semantics): the recursion runs over the valid steps, ``t + 1`` is the next valid
+            one, and advantages are whitened with the biased variance,
+            ``(A - mean) * rsqrt(var + 1e-8)``. ``"cut"``: TorchRL's semantics for its
+            ``valid`` key (pytorch/rl #4404): each valid step followed by an invalid one (or
+            by the row's end) ends a trajectory and bootstraps from its own
+            ``("next", "state_value")`` (0 where ``terminated``), and the advantages are
+            standardised with the unbiased std, ``(A - mean) / max(std, 1e-4)``; the numbers
+            of ``torchrl.objectives.value.GAE`` with ``set_keys(valid=...)``.
 
     Differences from :class:`torchrl.objectives.value.GAE`: masked steps are
     skipped rather than computed on; inside a trajectory the next value is the
@@ -253,6 +266,7 @@ class MaskedGAE(ValueEstimatorBase):
         skip_existing: bool | None = None,
         device: torch.device | None = None,
         process_group=None,
+        holes: str = "skip",
     ):
         super().__init__(
             value_network=value_network, differentiable=differentiable, skip_existing=skip_existing, device=device
@@ -273,6 +287,12 @@ class MaskedGAE(ValueEstimatorBase):
         self.policy_lmbda, self.length_alpha = policy_lmbda, length_alpha
         self.average_gae = bool(average_gae)
         self.process_group = process_group
+        if holes not in HOLES:
+            raise ValueError(f"MaskedGAE: holes={holes!r} is not one of {HOLES} (skip: ours; cut: TorchRL's valid key)")
+        if holes == "cut" and (policy_lmbda is not None or length_alpha is not None):
+            raise ValueError("MaskedGAE: holes='cut' (TorchRL's semantics) takes one lambda: drop policy_lmbda / "
+                             "length_alpha, or use holes='skip'")
+        self.holes = holes
 
     @property
     def in_keys(self):
@@ -379,7 +399,11 @@ class MaskedGAE(ValueEstimatorBase):
         ends = {}
         if done is not None or terminated is not None or truncated is not None:
             ends = self._collector_ends(tensordict, next_params, shape, done, terminated, truncated)
-        adv, target = self._gae(r, v, m, ends)
+        if self.holes == "cut" and m is not None:
+            m = _validate.check_mask(m, shape, ref)
+            adv, target = self._gae_cut(tensordict, next_params, r, v, m, ends, shape)
+        else:
+            adv, target = self._gae(r, v, m, ends)
         if _validate.checking_values() and adv.numel():
             if not bool((torch.isfinite(adv).all() & torch.isfinite(target).all())):
                 self._raise_non_finite(r, v, m, ends.get("next_values"), shape, ref)
@@ -405,6 +429,25 @@ class MaskedGAE(ValueEstimatorBase):
         else:
             lmbda = self.policy_lmbda
         adv, _ = F.masked_gae(r, v, m, self.gamma, lmbda, average_gae=self.average_gae, **kw)
+        return adv, target
+
+    def _gae_cut(self, tensordict, next_params, r, v, m: Tensor, ends: dict, shape) -> tuple[Tensor, Tensor]:
+        """``holes="cut"``: every valid step before an invalid one ends a trajectory and bootstraps from its next
+        value; the advantages are standardised with TorchRL's unbiased formula."""
+        key = TD.next_key(self.tensor_keys.value)
+        if "next_values" not in ends:
+            fix = "holes='cut' bootstraps the step before each invalid one (and a row's last) from its next value"
+            nv = self._values(tensordict, key, next_params, next_step=True, fix=fix)
+            ends = dict(next_values=TD.time_last(nv, f"next value {key!r}", shape, f"value {key!r}"))
+        nxt = torch.cat([m[..., 1:], torch.zeros_like(m[..., :1])], dim=-1)
+        cut = m & ~nxt
+        no = torch.zeros_like(m)
+        done = cut | (no if ends.get("done") is None else ends["done"])
+        terminated = no if ends.get("terminated") is None else ends["terminated"]
+        adv, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, average_gae=False, done=done,
+                                   terminated=terminated, next_values=ends["next_values"])  # fmt: skip
+        if self.average_gae:
+            adv = K.standardize_unbiased(adv, m)
         return adv, target
 
     def _raise_non_finite(self, r: Tensor, v: Tensor, m: Tensor | None, nv: Tensor | None, shape, ref) -> None:
