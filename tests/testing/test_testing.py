@@ -1,5 +1,7 @@
 """The testing kit (ppo_objectives.testing) and its pytest plugin: factories, references, tiny networks, assertions."""
 
+import math
+
 import pytest
 import torch
 from tensordict.nn import TensorDictModuleBase
@@ -203,6 +205,43 @@ def test_reference_ppo_loss_and_kl_equal_the_functional_core(kind):
         T.assert_matches_reference(F.kl_estimate(new, ref, est), T.reference_kl(new, ref, est), name=est)
     T.assert_matches_reference(F.reference_kl_penalty(new, ref, m),
                                T.reference_kl(new, ref, "k3", mask=m).sum() / m.sum().clamp(min=1))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reference_log_probs_equal_the_functional_core_in_values_and_gradients(dtype):
+    g = torch.Generator().manual_seed(12)
+    logits = (2 * torch.randn(3, 9, 11, generator=g)).to(dtype)
+    ids = torch.randint(0, 11, (3, 9), generator=g)
+    pl = torch.tensor([1, 5, 3])
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = F.response_log_probs(a, ids, pl, 4, return_entropy=True)
+    want = T.reference_response_log_probs(b, ids, pl, 4, return_entropy=True)
+    assert want[0].dtype == torch.float64 and want[0].shape == (3, 4)
+    for x, y, name in zip(got, want, ("log-probs", "entropies")):
+        T.assert_matches_reference(x, y, name=name)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    ((got[0] * w).sum() + (got[1] * w.flip(-1)).sum()).backward()
+    ((want[0] * w).sum() + (want[1] * w.flip(-1)).sum()).backward()
+    T.assert_matches_reference(a.grad, b.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, name="gradient")
+    # the response form scores input_ids[b, p + 1] from logits[b, p]: the plain form on those rows
+    p = pl[:, None] - 1 + torch.arange(4)
+    rows = logits[torch.arange(3)[:, None], p]
+    T.assert_matches_reference(T.reference_log_probs(rows, ids.gather(1, p + 1)), want[0], name="plain form")
+
+
+def test_reference_log_probs_golden_case_and_errors():
+    logp, ent = T.reference_log_probs(torch.zeros(2, 4), torch.tensor([3, 0]), return_entropy=True)
+    T.assert_matches_reference(logp, torch.full((2,), -math.log(4)), name="log(1/4)")
+    T.assert_matches_reference(ent, torch.full((2,), math.log(4)), name="log 4")
+    assert T.reference_log_probs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    with pytest.raises(ValueError, match=r"targets has shape \(3,\), expected \(2,\)"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets holds 4, outside \[0, V = 4\)"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.tensor([0, 4]))
+    with pytest.raises(TypeError, match="targets must be an integer tensor"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"row 0: response token 2 sits at column 4, outside the T = 4 columns"):
+        T.reference_response_log_probs(torch.zeros(1, 4, 3), torch.zeros(1, 4, dtype=torch.long), torch.tensor([2]), 3)
 
 
 # --------------------------------------------------------------------------- tiny networks
