@@ -143,15 +143,8 @@ def test_masked_gae_accepts_the_collector_batch(mask, trailing_dim):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reference_gae_response_equals_masked_gae(kind):
+    # masked_gae itself against reference_gae_response: tests/test_functional.py's grid over every kind
     td = T.response_batch(batch_size=6, response_len=9, mask=kind, masked_fill=float("nan"), seed=2)
-    r, v, m = td["next", "reward"], td["state_value"], td["mask"]
-    boot = torch.randn(6, generator=torch.Generator().manual_seed(0))
-    for normalize in (False, True):
-        want = T.reference_gae_response(r, v, m, 0.9, 0.8, bootstrap_value=boot, normalize=normalize)
-        for backend in ("torch", "loop"):
-            got = F.masked_gae(r, v, m, 0.9, 0.8, bootstrap_value=boot, normalize=normalize, backend=backend)
-            for g, w, name in zip(got, want, ("advantages", "returns")):
-                T.assert_matches_reference(g, w, name=f"{backend} {name}")
     adv, target = T.reference_gae_tensordict(td, 1.0, 0.95, average_gae=True)
     out = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(td.clone())
     T.assert_matches_reference(out["advantage"], adv, name="MaskedGAE advantage")
@@ -192,13 +185,11 @@ def test_reference_gae_full_sequence_equals_masked_gae():
 
 
 @pytest.mark.parametrize("kind", ["right", "holes", "empty_rows"])
-def test_reference_ppo_loss_and_kl_equal_the_functional_core(kind):
-    td = T.response_batch(batch_size=6, response_len=7, mask=kind, with_advantage=True, seed=7)
-    m, old, ref, adv = td["mask"], td["sample_log_prob"], td["ref_log_prob"], td["advantage"]
+def test_reference_kl_equals_the_functional_core(kind):
+    # ppo_policy_loss against reference_ppo_policy_loss: tests/test_functional.py's grid over every kind
+    td = T.response_batch(batch_size=6, response_len=7, mask=kind, with_ref_log_prob=True, seed=7)
+    m, old, ref = td["mask"], td["sample_log_prob"], td["ref_log_prob"]
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    for kw in ({}, {"clip_epsilon_high": 0.28}, {"dual_clip": 3.0}):
-        got = F.ppo_policy_loss(new, old, adv, m, 0.2, **kw)
-        T.assert_matches_reference(got, T.reference_ppo_policy_loss(new, old, adv, m, 0.2, **kw), name=f"loss {kw}")
     for est in ("k1", "k2", "k3", "k3+"):
         T.assert_matches_reference(F.masked_kl_estimate(new, ref, m, est), T.reference_kl(new, ref, est, mask=m),
                                    name=est)  # fmt: skip
