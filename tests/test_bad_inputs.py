@@ -58,6 +58,14 @@ from ppo_objectives.llm_interop import (
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.testing import (
+    reference_gae_response,
+    reference_kl,
+    reference_log_probs,
+    reference_ppo_policy_loss,
+    reference_response_log_probs,
+)
+from ppo_objectives.testing.references import whiten
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
@@ -184,37 +192,9 @@ def naive_var(xs):
     return sum((x - mu) ** 2 for x in xs) / max(len(xs), 1)
 
 
-def naive_whiten(values, m, eps=1e-8):
-    xs = values[m].tolist()
-    mu, var = naive_mean(xs), naive_var(xs)
-    out = torch.zeros(values.shape, dtype=torch.float64)
-    out[m] = torch.tensor([(x - mu) / math.sqrt(var + eps) for x in xs], dtype=torch.float64)
-    return out
-
-
-def naive_gae(r, v, m, gamma, lam, boot=None):
-    """Raw advantages and returns over the valid tokens of each row (Python floats)."""
-    adv = torch.zeros(r.shape, dtype=torch.float64)
-    for b in range(r.shape[0]):
-        idx = [t for t in range(r.shape[1]) if bool(m[b, t])]
-        next_v = 0.0 if boot is None else float(boot[b])
-        next_a = 0.0
-        for t in reversed(idx):
-            delta = float(r[b, t]) + gamma * next_v - float(v[b, t])
-            next_a = delta + gamma * lam * next_a
-            next_v = float(v[b, t])
-            adv[b, t] = next_a
-    ret = torch.where(m, adv + torch.where(m, v.double(), 0.0), 0.0)
-    return adv, ret
-
-
-def naive_ppo(new, old, adv, m, eps, eps_high=None):
-    eps_high = eps if eps_high is None else eps_high
-    per = []
-    for n, o, a in zip(valid(new, m), valid(old, m), valid(adv, m)):
-        ratio = math.exp(n - o)
-        per.append(max(-a * ratio, -a * min(max(ratio, 1 - eps), 1 + eps_high)))
-    return naive_mean(per)
+def mean_k3(logp, ref, m):
+    """The k3 KL estimate averaged over the valid tokens (the kit's per-token reference)."""
+    return reference_kl(logp, ref, "k3", mask=m).sum() / max(int(m.sum()), 1)
 
 
 def naive_value_loss(v, v_old, ret, m, c):
@@ -223,10 +203,6 @@ def naive_value_loss(v, v_old, ret, m, c):
         clipped = min(max(x, xo - c), xo + c)
         per.append(0.5 * max((x - g) ** 2, (clipped - g) ** 2))
     return naive_mean(per)
-
-
-def naive_k3(logp, ref, m):
-    return naive_mean([math.exp(r - p) - (r - p) - 1 for p, r in zip(valid(logp, m), valid(ref, m))])
 
 
 def meta_like(x):
@@ -274,10 +250,10 @@ accept("masked_mean-nan-inf-at-masked", "masked-garbage", lambda: F.masked_mean(
 accept("masked_var-nan-inf-at-masked", "masked-garbage", lambda: F.masked_var(X, MASK),
        lambda out: close(out, naive_var(VALID)))
 accept("masked_whiten-nan-inf-at-masked", "masked-garbage", lambda: F.masked_whiten(X, MASK),
-       lambda out: close(out, naive_whiten(X_CLEAN, MASK)))
+       lambda out: close(out, whiten(X_CLEAN, MASK)))
 accept("masked_whiten-bf16-computed-in-float32", "dtype",
        lambda: F.masked_whiten(X.bfloat16(), MASK),
-       lambda out: (close(out.float(), naive_whiten(X_CLEAN.bfloat16().double(), MASK), atol=2e-2, rtol=1e-2),
+       lambda out: (close(out.float(), whiten(X_CLEAN.bfloat16().double(), MASK), atol=2e-2, rtol=1e-2),
                     _assert_dtype(out, torch.bfloat16)))
 refuse("masked_mean-values-on-other-device", "device", lambda: F.masked_mean(meta_like(X), MASK),
        ValueError, r"one device.*x on meta.*mask on cpu.*\.to\(device\)")
@@ -334,15 +310,6 @@ IDS = torch.tensor([[3, 1, 4, 1, 5, 0], [2, 7, 1, 6, 2, 7]])  # ids < V = 8
 PLENS = torch.tensor([2, 3])
 
 
-def naive_logp(logits, ids, plens, R):
-    out = torch.zeros(len(plens), R, dtype=torch.float64)
-    for b in range(len(plens)):
-        for j in range(R):
-            p = int(plens[b]) - 1 + j
-            out[b, j] = torch.log_softmax(logits[b, p].double(), -1)[ids[b, p + 1]]
-    return out
-
-
 refuse("response_log_probs-2d-logits", "shape", lambda: F.response_log_probs(LOGITS[:, :, 0], IDS, PLENS, 2),
        ValueError, r"logits must be \[B, T, V\], got shape \(2, 6\)")
 refuse("response_log_probs-ids-shape", "shape", lambda: F.response_log_probs(LOGITS, IDS[:, :5], PLENS, 2),
@@ -358,10 +325,10 @@ refuse("response_log_probs-token-id-outside-vocab", "token-ids",
        ValueError, r"input_ids.*(vocab|V=8)")
 accept("response_log_probs-bf16-logits-float32-result", "dtype",
        lambda: F.response_log_probs(LOGITS.bfloat16(), IDS, PLENS, 3),
-       lambda out: (_assert_dtype(out, torch.float32), close(out, naive_logp(LOGITS.bfloat16(), IDS, PLENS, 3), atol=1e-5)))
+       lambda out: (_assert_dtype(out, torch.float32), close(out, reference_response_log_probs(LOGITS.bfloat16(), IDS, PLENS, 3), atol=1e-5)))
 accept("response_log_probs-nan-logits-at-unread-positions", "masked-garbage",
        lambda: F.response_log_probs(_nan_in_unread(LOGITS), IDS, PLENS, 3),
-       lambda out: close(out, naive_logp(LOGITS, IDS, PLENS, 3)))
+       lambda out: close(out, reference_response_log_probs(LOGITS, IDS, PLENS, 3)))
 refuse("response_log_probs-prompt-lens-on-other-device", "device",
        lambda: F.response_log_probs(LOGITS, IDS, meta_like(PLENS), 2),
        ValueError, r"one device.*prompt_lens on meta")
@@ -414,15 +381,15 @@ accept("masked_gae-empty-mask-whitened-is-zero", "mask-empty",
 for _backend in ("torch", "loop"):
     accept(f"masked_gae-nan-inf-at-masked-{_backend}", "masked-garbage",
            lambda b=_backend: F.masked_gae(REW, VAL, MASK, 0.9, 0.8, normalize=False, backend=b),
-           lambda out: (close(out[0], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]),
-                        close(out[1], naive_gae(REW, VAL, MASK, 0.9, 0.8)[1])))
+           lambda out: (close(out[0], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]),
+                        close(out[1], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[1])))
 accept("masked_gae-nan-inf-at-masked-whitened", "masked-garbage",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, normalize=True),
-       lambda out: close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 1.0, 0.95)[0], MASK)))
+       lambda out: close(out[0], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, normalize=True)[0]))
 accept("masked_gae-bf16-inputs", "dtype",
        lambda: F.masked_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95, normalize=False),
        lambda out: (_assert_dtype(out[0], torch.bfloat16),
-                    close(out[0].float(), naive_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95)[0], atol=2e-2, rtol=1e-2)))
+                    close(out[0].float(), reference_gae_response(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95)[0], atol=2e-2, rtol=1e-2)))
 refuse("masked_gae-values-on-other-device", "device", lambda: F.masked_gae(REW, meta_like(VAL), MASK, 1.0, 0.95),
        ValueError, r"one device.*values on meta")
 refuse("masked_gae-gamma-1.5", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.5, 0.95),
@@ -437,7 +404,7 @@ refuse("masked_gae-unknown-backend", "hyper", lambda: F.masked_gae(REW, VAL, MAS
        ValueError, r"backend='cuda' is not one of")
 accept("masked_gae-truncated-row-no-eos-bootstrapped", "no-eos",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, normalize=False, bootstrap_value=torch.tensor([0.0, 2.5])),
-       lambda out: close(out[0], naive_gae(REW, VAL, MASK, 1.0, 0.95, boot=[0.0, 2.5])[0]))
+       lambda out: close(out[0], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.tensor([0.0, 2.5]))[0]))
 accept("masked_gae-empty-batch", "empty-batch",
        lambda: F.masked_gae(torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool), 1.0, 0.95),
        lambda out: (_assert_shape(out[0], (0, 4)), _assert_shape(out[1], (0, 4))))
@@ -489,10 +456,10 @@ refuse("ppo_policy_loss-int-new-logps", "dtype", lambda: F.ppo_policy_loss(NEW.l
 refuse("ppo_policy_loss-mask-2", "mask-values", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK.long() + 1, 0.2),
        ValueError, r"mask must hold only 0 and 1")
 accept("ppo_policy_loss-nan-inf-at-masked", "masked-garbage", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2),
-       lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.2)))
+       lambda out: close(out, reference_ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2)))
 accept("ppo_policy_loss-clip-higher-nan-inf-at-masked", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.1, clip_epsilon_high=0.3),
-       lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.1, 0.3)))
+       lambda out: close(out, reference_ppo_policy_loss(NEW, OLD, ADV, MASK, 0.1, clip_epsilon_high=0.3)))
 accept("ppo_policy_loss-stats-ignore-masked-garbage", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, return_stats=True)[1],
        lambda stats: (close(stats["kl_approx"], naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])),
@@ -504,7 +471,7 @@ accept("ppo_policy_loss-empty-mask-loss-and-stats-zero", "mask-empty",
 accept("ppo_policy_loss-fp16-inputs-float32-math", "dtype",
        lambda: F.ppo_policy_loss(NEW.half(), OLD.half(), ADV.half(), MASK, 0.2),
        lambda out: (_assert_dtype(out, torch.float32),
-                    close(out, naive_ppo(NEW.half().double(), OLD.half().double(), ADV.half().double(), MASK, 0.2))))
+                    close(out, reference_ppo_policy_loss(NEW.half().double(), OLD.half().double(), ADV.half().double(), MASK, 0.2))))
 refuse("ppo_policy_loss-old-logps-on-other-device", "device", lambda: F.ppo_policy_loss(NEW, meta_like(OLD), ADV, MASK, 0.2),
        ValueError, r"one device.*old_logps on meta")
 refuse("ppo_policy_loss-clip-0", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.0),
@@ -543,7 +510,7 @@ refuse("kl_estimate-ref-on-other-device", "device", lambda: F.kl_estimate(NEW, m
 refuse("reference_kl_penalty-mask-trailing-one", "shape", lambda: F.reference_kl_penalty(NEW, OLD, MASK[..., None]),
        ValueError, r"mask has shape \(2, 4, 1\) but policy_logps has shape \(2, 4\)")
 accept("reference_kl_penalty-k3-nan-inf-at-masked", "masked-garbage", lambda: F.reference_kl_penalty(NEW, OLD, MASK),
-       lambda out: close(out, naive_k3(NEW, OLD, MASK)))
+       lambda out: close(out, mean_k3(NEW, OLD, MASK)))
 accept("reference_kl_penalty-k1-nan-inf-at-masked", "masked-garbage",
        lambda: F.reference_kl_penalty(NEW, OLD, MASK, estimator="k1"),
        lambda out: close(out, naive_mean([n - o for n, o in zip(valid(NEW), valid(OLD))])))
@@ -583,8 +550,8 @@ refuse("masked_gae_reference-lam-2", "hyper", lambda: F.masked_gae_reference(REW
        ValueError, r"lam=2\.0 is outside \[0, 1\]")
 accept("masked_gae_reference-nan-inf-at-masked-whitened", "masked-garbage",
        lambda: F.masked_gae_reference(REW, VAL, MASK, 0.99, 0.9),
-       lambda out: (close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 0.99, 0.9)[0], MASK)),
-                    close(out[1], naive_gae(REW, VAL, MASK, 0.99, 0.9)[1])))
+       lambda out: (close(out[0], reference_gae_response(REW, VAL, MASK, 0.99, 0.9, normalize=True)[0]),
+                    close(out[1], reference_gae_response(REW, VAL, MASK, 0.99, 0.9)[1])))
 accept("masked_gae_reference-empty-mask", "mask-empty",
        lambda: F.masked_gae_reference(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
@@ -626,14 +593,14 @@ refuse("MaskedGAE-int-reward", "dtype",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__reward=torch.ones(2, 4, dtype=torch.long))),
        TypeError, r"(token_rewards|reward) must be a floating-point tensor")
 accept("MaskedGAE-nan-inf-at-masked", "masked-garbage", lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td()),
-       lambda td: (close(td["advantage"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]),
-                   close(td["value_target"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[1])))
+       lambda td: (close(td["advantage"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]),
+                   close(td["value_target"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[1])))
 accept("MaskedGAE-collector-layout-nan-inf-at-masked", "masked-garbage",
        lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td(next__state_value=torch.zeros(2, 4),
                                                        next__done=torch.zeros(2, 4, dtype=torch.bool),
                                                        next__terminated=torch.zeros(2, 4, dtype=torch.bool))),
        # no flag set: each row is cut by the batch boundary and bootstrapped from ("next", "state_value") = 0
-       lambda td: close(td["advantage"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]))
+       lambda td: close(td["advantage"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]))
 accept("MaskedGAE-empty-mask-whitened", "mask-empty",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(gae_td(mask=torch.zeros(2, 4, dtype=torch.bool))),
        lambda td: (exactly_zero(td["advantage"]), exactly_zero(td["value_target"])))
@@ -643,7 +610,7 @@ accept("MaskedGAE-truncated-no-eos-bootstraps-next-value", "no-eos",
            next__done=torch.tensor([[False, True, False, False], [False, False, False, True]]),
            next__truncated=torch.tensor([[False, False, False, False], [False, False, False, True]]))),
        # row 0 terminates at its last valid token; row 1 is truncated (no EOS): bootstrap V = 2.5
-       lambda td: close(td["advantage"], naive_gae(REW, VAL, MASK, 1.0, 0.95, boot=[0.0, 2.5])[0]))
+       lambda td: close(td["advantage"], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.tensor([0.0, 2.5]))[0]))
 refuse("MaskedGAE-value-on-other-device", "device",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(state_value=meta_like(VAL))),
        ValueError, r"one device.*meta")
@@ -708,9 +675,9 @@ def ppo_loss(**kw):
 def _check_ppo_garbage(out):
     new = -0.1 * (TOKENS.float() + 1) + 0.05
     values = 0.1 * TOKENS.float() + 0.3
-    close(out["loss_objective"], naive_ppo(new, OLD, ADV, MASK, 0.2))
+    close(out["loss_objective"], reference_ppo_policy_loss(new, OLD, ADV, MASK, 0.2))
     close(out["loss_critic"], 0.5 * naive_value_loss(values, VAL, RET, MASK, 0.2))
-    close(out["kl_ref"], naive_k3(new, OLD - 0.1, MASK))
+    close(out["kl_ref"], mean_k3(new, OLD - 0.1, MASK))
     close(out["entropy"], naive_mean(valid(1.0 + 0.01 * TOKENS.float())))
 
 
@@ -1054,7 +1021,7 @@ def _check_sampled(out):
     full_ids = torch.cat([prompt, ids], 1)
     full_mask = torch.cat([pmask, mask], 1)
     logits = lm(full_ids, full_mask).logits.double()
-    ref = torch.log_softmax(logits[:, 3:-1], -1).gather(-1, ids[..., None]).squeeze(-1)
+    ref = reference_log_probs(logits[:, 3:-1], ids)
     close(logps, torch.where(mask, ref, 0.0), atol=1e-4)
 
 
@@ -1248,7 +1215,7 @@ accept("CausalLMTokenLogProbs-matches-naive-and-zero-off-mask", "mask-empty",
                 _Decoder()(ROW_TOKENS).logits.detach()),
        lambda out: close(out[0].detach(), torch.where(ROW_MASK, torch.cat(
            [torch.zeros(2, 1, dtype=torch.float64),
-            torch.log_softmax(out[1][:, :-1].double(), -1).gather(-1, ROW_TOKENS[:, 1:, None]).squeeze(-1)], 1), 0.0)))
+            reference_log_probs(out[1][:, :-1], ROW_TOKENS[:, 1:])], 1), 0.0)))
 accept("CausalLMTokenLogProbs-one-token-rows-are-zero", "empty-batch",
        lambda: CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS[:, :1]),
        lambda out: (exactly_zero(out[0].detach()), _assert_shape(out[0], (2, 1))))
@@ -1389,7 +1356,7 @@ def _torchrl_gae_on_response_layout():
 def _check_nan_reaches_only_its_row(td):
     adv = td["advantage"]
     assert torch.isnan(adv[0, :2]).all(), adv  # the checks are off: the NaN goes through, as documented
-    close(adv[1], naive_gae(at(REW, (0, 1), 0.0), VAL, MASK, 1.0, 0.95)[0][1])
+    close(adv[1], reference_gae_response(at(REW, (0, 1), 0.0), VAL, MASK, 1.0, 0.95)[0][1])
 
 
 def _empty_mask_warnings_shown_by_default():
@@ -1405,8 +1372,8 @@ def _empty_mask_warnings_shown_by_default():
 
 def _check_missing_mask_counts_every_token(out):
     new = -0.1 * (TOKENS.float() + 1) + 0.05
-    close(out["loss_objective"], naive_ppo(new, clean(OLD), clean(ADV), ALL, 0.2))
-    close(out["kl_ref"], naive_k3(new, clean(OLD) - 0.1, ALL))
+    close(out["loss_objective"], reference_ppo_policy_loss(new, clean(OLD), clean(ADV), ALL, 0.2))
+    close(out["kl_ref"], mean_k3(new, clean(OLD) - 0.1, ALL))
 
 
 # 1. a float action is not a token id
@@ -1457,7 +1424,7 @@ accept("TokenPPOLoss-missing-mask-counts-every-token", "missing-key",
        _check_missing_mask_counts_every_token)
 accept("MaskedGAE-missing-mask-counts-every-step", "missing-key",
        lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td(drop=["mask"], next__reward=clean(REW), state_value=clean(VAL))),
-       lambda td: close(td["advantage"], naive_gae(clean(REW), clean(VAL), ALL, 0.9, 0.8)[0]))
+       lambda td: close(td["advantage"], reference_gae_response(clean(REW), clean(VAL), ALL, 0.9, 0.8)[0]))
 accept("KLPenaltyTransform-missing-mask-counts-every-token", "missing-key",
        lambda: KLPenaltyTransform(coeff=0.1)(kl_td(drop=["mask"], sample_log_prob=clean(NEW), ref_log_prob=clean(OLD),
                                                    next__reward=clean(REW))),
