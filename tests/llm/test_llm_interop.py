@@ -31,6 +31,7 @@ from ppo_objectives.llm_interop import (  # noqa: E402
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
+from ppo_objectives.testing import reference_log_probs
 from ppo_objectives.value.gae import MaskedGAE
 
 # The suite turns warnings into errors; two come from inside TorchRL 0.14.1's LLM code, not ours:
@@ -607,8 +608,7 @@ def test_token_log_probs_equal_a_direct_log_softmax(lm):
     td = _row_batch()
     CausalLMTokenLogProbs(lm)(td)
     logits = lm(input_ids=td["tokens"], attention_mask=td["attention_mask"].long()).logits
-    ref = logits.log_softmax(-1)[:, :-1].gather(-1, td["tokens"][:, 1:, None]).squeeze(-1)
-    ref = torch.cat([torch.zeros(2, 1), ref], 1)
+    ref = torch.cat([torch.zeros(2, 1), reference_log_probs(logits[:, :-1], td["tokens"][:, 1:]).float()], 1)
     m = td["mask"]
     torch.testing.assert_close(td["log_prob"][m], ref[m], rtol=1e-5, atol=1e-5)
     assert (td["log_prob"][~m] == 0).all() and (td["entropy"][~m] == 0).all()

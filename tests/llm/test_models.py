@@ -13,6 +13,7 @@ from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.llm.models import PRESETS, TinyCausalLM, TinyLMConfig, position_ids_from_mask
 from ppo_objectives.llm.policy import NextTokenLogits, make_actor, sample_with_kv_cache
 from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, make_actor_critic
+from ppo_objectives.testing import reference_log_probs
 from ppo_objectives.train.digit import DigitTask
 
 
@@ -157,7 +158,7 @@ def test_sample_with_kv_cache_log_probs_equal_a_full_forward():
     )
     seq = torch.cat([prompts, resp], 1)
     logits = lm(seq, torch.cat([pmask, mask], 1)).logits
-    ref = torch.log_softmax(logits[:, 3:7], -1).gather(-1, resp[..., None]).squeeze(-1)
+    ref = reference_log_probs(logits[:, 3:7], resp).float()
     torch.testing.assert_close(logp[mask], ref[mask], atol=1e-5, rtol=1e-5)
     assert (logp[~mask] == 0).all() and (resp[~mask] == 0).all()
 
@@ -261,7 +262,7 @@ def test_actor_sample_log_prob_equals_a_direct_forward():
         logits = lm(step["tokens"], step["attention_mask"]).logits  # [N, S, V]
         last = step["position"] - 1
         at = logits[torch.arange(4), last]
-        ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+        ref = reference_log_probs(at, step["action"]).float()
         torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
     assert roll["sample_log_prob"].dtype == torch.float32
 
@@ -363,7 +364,7 @@ def test_hf_adapter_drives_the_env_and_matches_its_own_forward():
         position_ids=position_ids_from_mask(step["attention_mask"]),
     ).logits.float()
     at = logits[torch.arange(3), step["position"] - 1]
-    ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+    ref = reference_log_probs(at, step["action"]).float()
     torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
     td = TensorDict(input_ids=roll[:, -1]["next", "tokens"], attention_mask=roll[:, -1]["next", "attention_mask"],
                     batch_size=[3])
