@@ -274,6 +274,7 @@ def reference_ppo_policy_loss(
     *,
     clip_epsilon_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """PPO's clipped surrogate loss, token mean over the valid tokens, as a plain loop.
 
@@ -281,6 +282,7 @@ def reference_ppo_policy_loss(
 
         L = max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high))
         L = min(L, -A * dual_clip)            where A < 0, with dual_clip
+        L = w * L                             with weights
 
     then the mean over the valid tokens (0 for an empty mask), the default of
     :func:`~ppo_objectives.functional.ppo_policy_loss`.
@@ -291,6 +293,8 @@ def reference_ppo_policy_loss(
         clip_epsilon: ``eps_low`` (and ``eps_high`` unless ``clip_epsilon_high``).
         clip_epsilon_high: optional ``eps_high``.
         dual_clip: optional constant ``c > 1``.
+        weights: optional ``[*B, R]`` per-token weights ``w`` (e.g. rollout-correction weights), read on the
+            valid tokens only.
 
     Returns:
         A float64 scalar tensor.
@@ -299,11 +303,15 @@ def reference_ppo_policy_loss(
         >>> new = torch.log(torch.tensor([[1.5, 1.0, 0.5]]))   # ratios 1.5, 1.0, 0.5
         >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2)
         tensor(-0.4667, dtype=torch.float64)
+        >>> w = torch.tensor([[0.0, 3.0, 1.0]])                 # (0 * -1.2 + 3 * -1.0 + 1 * 0.8) / 3
+        >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2, weights=w)
+        tensor(-0.7333, dtype=torch.float64)
     """
     shape = _check_rewards(new_logps)
     new, old = _rows_of(new_logps, shape, "new_logps"), _rows_of(old_logps, shape, "old_logps")
     adv = _rows_of(advantages, shape, "advantages")
     m = _rows_of(mask, shape, "mask", as_bool=True) if mask is not None else [[True] * shape[-1] for _ in new]
+    w = _rows_of(weights, shape, "weights") if weights is not None else [[1.0] * shape[-1] for _ in new]
     lo, hi = 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
     total, n = 0.0, 0
     for b in range(len(new)):
@@ -315,7 +323,7 @@ def reference_ppo_policy_loss(
             loss = max(-a * ratio, -a * min(max(ratio, lo), hi))
             if dual_clip is not None and a < 0:
                 loss = min(loss, -a * dual_clip)
-            total += loss
+            total += w[b][t] * loss
             n += 1
     return torch.tensor(total / max(n, 1), dtype=torch.float64)
 
