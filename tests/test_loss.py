@@ -17,6 +17,7 @@ from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
+from ppo_objectives.testing import make_mask
 from ppo_objectives.value.gae import MaskedGAE
 
 V = 11
@@ -73,8 +74,7 @@ def make_batch(actor, critic, B=4, R=6, seed=0, drift=0.3):
     """A [B, R] rollout batch whose stored log-probs/values differ from the networks' by noise."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(V, (B, R), generator=g)
-    lengths = torch.randint(1, R + 1, (B,), generator=g)
-    mask = torch.arange(R) < lengths[:, None]
+    mask = make_mask(B, R, "right", generator=g)
     with torch.no_grad():
         logp, _ = actor.module(tokens) if isinstance(actor.module, TokenPolicy) else (actor.module(tokens), None)
         values = critic.module(tokens)

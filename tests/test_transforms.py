@@ -13,6 +13,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
 from ppo_objectives import functional as F
+from ppo_objectives.testing import make_mask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 
 V = 5
@@ -74,8 +75,7 @@ def ref_model():
 
 def llm_batch(B=3, R=5, seed=0, trailing=False):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, R + 1, (B,), generator=g)
-    mask = torch.arange(R) < lengths[:, None]
+    mask = make_mask(B, R, "right", generator=g)
     u = (lambda x: x.unsqueeze(-1)) if trailing else (lambda x: x)
     return TensorDict(
         {

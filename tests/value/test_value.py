@@ -14,7 +14,7 @@ from torch import nn
 from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
-from ppo_objectives.testing import reference_gae_collector
+from ppo_objectives.testing import make_mask, reference_gae_collector
 from ppo_objectives.value.gae import MaskedGAE
 
 
@@ -46,8 +46,8 @@ def collector_batch(N=3, T=10, seed=0, p_done=0.25, device="cpu", trailing=True)
 
 def llm_batch(B=4, R=7, seed=0, device="cpu", trailing=False):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, R + 1, (B,), generator=g)
-    mask = torch.arange(R) < lengths[:, None]
+    mask = make_mask(B, R, "right", generator=g)
+    lengths = mask.sum(-1)
     r = torch.zeros(B, R)
     r[torch.arange(B), lengths - 1] = torch.randn(B, generator=g)
     r = r + 0.1 * torch.randn(B, R, generator=g)  # dense shaping on top
