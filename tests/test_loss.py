@@ -263,7 +263,9 @@ def test_empty_mask_gives_finite_zero_losses():
     actor, critic = make_nets()
     td = make_batch(actor, critic)
     td["mask"] = torch.zeros_like(td["mask"])
-    with pytest.warns(UserWarning, match="the mask of this batch has no valid token"):  # a likely mistake
+    with pytest.warns(UserWarning, match=r"TokenPPOLoss: the mask of this batch has no valid token \(every entry is False\), "
+                                         r"so every loss term and diagnostic is exactly 0 and the update does nothing; this "
+                                         r"is a likely mistake"):
         out = TokenPPOLoss(actor, critic)(td)
     for key, value in out.items():
         assert torch.isfinite(value), key
@@ -480,25 +482,33 @@ def test_error_per_sequence_advantage_in_a_batch_of_sequences():
 
 def test_error_missing_sample_log_prob():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(sample_log_prob="):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'sample_log_prob' \(the sampling log-probs\); "
+                                       r"store the policy's per-token log-probs at rollout time \(or rename the key with "
+                                       r"set_keys\(sample_log_prob=\.\.\.\)\)"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("sample_log_prob"))
 
 
 def test_error_missing_reference_log_probs_when_kl_is_on():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'ref_log_prob' \(reference log-probs\); needed because kl_coeff > 0"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'ref_log_prob' \(reference log-probs\); needed "
+                                       r"because kl_coeff > 0 \(the in-loss KL to a reference policy\): run "
+                                       r"KLPenaltyTransform\(ref\) on the batch first, which writes it \(ref = "
+                                       r"frozen_reference\(actor_model, P\), or any module writing the reference's per-token "
+                                       r"log-probs\), or build the loss with kl_coeff=0\.0 to train without the in-loss KL"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("ref_log_prob"))
 
 
 def test_error_missing_value_target():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'value_target' \(value target\); run the value estimator"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'value_target' \(value target\); run the value "
+                                       r"estimator \(MaskedGAE\) first"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("value_target"))
 
 
 def test_error_missing_rollout_values_with_value_clipping():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'state_value' \(rollout values\); needed because clip_value is set"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'state_value' \(rollout values\); needed "
+                                       r"because clip_value is set"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("state_value"))
 
 
@@ -518,7 +528,9 @@ def test_error_critic_without_value_output():
 
 def test_error_entropy_bonus_without_entropy_output():
     actor, critic = make_nets(entropy=False)
-    with pytest.raises(KeyError, match="entropy_coeff is set but the actor network did not write 'entropy'"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: entropy_coeff is set but the actor network did not write 'entropy'; "
+                                       r"return the per-token entropy \[B, R\] from the actor \(e\.g\. "
+                                       r"response_log_probs\(\.\.\., return_entropy=True\)\)"):
         TokenPPOLoss(actor, critic, entropy_coeff=0.01)(make_batch(actor, critic))
 
 
@@ -526,19 +538,20 @@ def test_error_mask_with_values_other_than_0_and_1():
     actor, critic = make_nets()
     td = make_batch(actor, critic)
     td["mask"] = td["mask"].float() * 2
-    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+    with pytest.raises(ValueError, match=r"\bmask\b"):
         TokenPPOLoss(actor, critic)(td)
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"clip_epsilon": 0.0}, r"clip_epsilon \(low\)=0.0 must be a finite number > 0"),
-        ({"clip_epsilon": (0.1, 0.2, 0.3)}, "give one float .* or a pair"),
-        ({"dual_clip": 1.0}, "dual-clip constant c must exceed 1"),
-        ({"loss_agg_mode": "mean"}, "loss_agg_mode='mean' is not one of"),
-        ({"kl_estimator": "k4"}, "kl_estimator='k4' is not one of"),
-        ({"kl_coeff": -0.1}, r"kl_coeff=-0.1 must be a float >= 0"),
+        ({"clip_epsilon": 0.0}, r"clip_epsilon \(low\)=0\.0"),
+        ({"clip_epsilon": (0.1, 0.2, 0.3)},
+         r"clip_epsilon=\(0\.1, 0\.2, 0\.3\): give one float \(symmetric\) or a pair \(eps_low, eps_high\)"),
+        ({"dual_clip": 1.0}, r"dual_clip=1\.0 .*\(the dual-clip constant c must exceed 1\)"),
+        ({"loss_agg_mode": "mean"}, "loss_agg_mode='mean'"),
+        ({"kl_estimator": "k4"}, r"kl_estimator='k4' is not one of \('k1', 'k2', 'k3', 'k3\+'\)"),
+        ({"kl_coeff": -0.1}, r"kl_coeff=-0\.1 must be a float >= 0 and finite \(0 switches that term off\)"),
         ({"clip_value": -1.0}, "clip_value=-1.0 must be a finite number > 0"),
         ({"kl_clamp": 0.0}, "kl_clamp=0.0 must be a finite number > 0"),
     ],
@@ -550,7 +563,7 @@ def test_error_bad_hyperparameters(kwargs, match):
 
 
 def test_error_no_actor():
-    with pytest.raises(TypeError, match="needs an actor_network"):
+    with pytest.raises(TypeError, match="TokenPPOLoss needs an actor_network that writes per-token 'log_prob'"):
         TokenPPOLoss(None)
 
 
@@ -617,5 +630,7 @@ def test_the_networks_inputs_are_checked_before_the_value_estimator_runs():
     ac, llm = _factory_batch()
     loss = TokenPPOLoss(ac.actor, ac.critic)
     no_ids = llm.exclude("input_ids", "advantage", "value_target")  # MaskedGAE would call the critic first
-    with pytest.raises(KeyError, match=r"no 'input_ids' \(an input of the actor_network"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'input_ids' \(an input of the actor_network, "
+                                       r"whose in_keys are \['input_ids', 'attention_mask'\]\); give the batch every entry "
+                                       r"the actor_network reads"):
         loss(no_ids)

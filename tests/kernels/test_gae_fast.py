@@ -27,7 +27,11 @@ from ppo_objectives._kernels.gae import (
 )
 from ppo_objectives.functional import masked_gae
 from ppo_objectives.testing import MASK_KINDS as KIT_MASK_KINDS
-from ppo_objectives.testing import make_mask, reference_gae_collector, reference_gae_response
+from ppo_objectives.testing import (
+    make_mask,
+    reference_gae_collector,
+    reference_gae_response,
+)
 
 # --------------------------------------------------------------------------- #
 # References: the kit's loops, and the emulated Triton kernel
@@ -500,7 +504,8 @@ def test_select_backend_auto_leaves_compiled_code_to_inductor(monkeypatch):
 
 
 def test_select_backend_rejects_unknown_name():
-    with pytest.raises(ValueError, match=r"backend='cuda' is not one of .*'triton'"):
+    with pytest.raises(ValueError, match=r"masked_gae: backend='cuda' is not one of \('auto', 'loop', 'torch', 'triton'\); "
+                                         r"the advantages cannot be computed with an unknown implementation"):
         select_backend(torch.device("cpu"), "cuda")
 
 

@@ -46,13 +46,13 @@ def test_config_rejects_width_not_divisible_by_heads():
 
 
 def test_config_rejects_unknown_preset_and_bad_sizes():
-    with pytest.raises(ValueError, match="unknown preset 'giga'"):
+    with pytest.raises(ValueError, match=r"unknown preset 'giga'; choose one of \['micro', 'nano', 'pico'\]"):
         TinyLMConfig.preset("giga")
     with pytest.raises(ValueError, match="n_layer=0 must be a positive int"):
         TinyLMConfig(n_layer=0)
     with pytest.raises(ValueError, match="dropout=1.5 must be in"):
         TinyLMConfig(dropout=1.5)
-    with pytest.raises(TypeError, match="config must be a TinyLMConfig"):
+    with pytest.raises(TypeError, match="config must be a TinyLMConfig, got dict"):
         TinyCausalLM({"n_layer": 1})
 
 
@@ -121,7 +121,8 @@ def test_kv_cache_with_per_row_slots_equals_full_forward():
 
 def test_cache_errors_name_the_problem():
     lm = _lm(block=8)
-    with pytest.raises(ValueError, match="max_len=9 exceeds block_size=8"):
+    with pytest.raises(ValueError, match="max_len=9 exceeds block_size=8: the model has no position embedding beyond "
+                                         "it; build the model with block_size >= 9"):
         lm.new_cache(1, 9)
     cache = lm.new_cache(2, 8)
     with pytest.raises(ValueError, match="cache holds 2 rows but input_ids has B=1"):
@@ -134,11 +135,12 @@ def test_cache_errors_name_the_problem():
 
 def test_model_input_errors_name_the_tensor():
     lm = _lm(block=8)
-    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+    with pytest.raises(TypeError, match=r"input_ids must be an integer tensor of token ids, got dtype torch\.float32; use \.long\(\)"):
         lm(torch.zeros(1, 2))
-    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(2,\); add a batch dim with \[None\]"):
         lm(torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\): one flag "
+                                         r"per token is needed \(no broadcasting\)"):
         lm(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="input_ids holds token id 20, outside"):
         lm(torch.tensor([[1, 20]]))
@@ -325,7 +327,7 @@ def test_shared_trunk_shares_weights_and_separate_trunk_copies_them():
 
 def test_response_modules_reject_sequences_without_a_response():
     lm = _lm(block=8)
-    with pytest.raises(ValueError, match="prompt_len=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"prompt_len=0 must be an int >= 1 \(the prompt width P\)"):
         ResponseLogProbs(lm, 0)
     with pytest.raises(ValueError, match="prompt_len=True must be an int >= 1"):
         ResponseValues(lm, True)
@@ -396,7 +398,7 @@ def test_names_built_on_the_models_are_imported_from_their_own_module(name, home
     assert getattr(importlib.import_module(f"ppo_objectives.{home}"), name) is not None
     with pytest.raises(ImportError, match=rf"{name} is not in ppo_objectives.models.*from ppo_objectives.{home} import"):
         exec(f"from ppo_objectives.models import {name}", {})
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    with pytest.raises(AttributeError, match=r"module 'ppo_objectives\.models' has no attribute 'no_such_name'"):
         models.no_such_name  # noqa: B018
 
 

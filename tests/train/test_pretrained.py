@@ -108,7 +108,9 @@ def test_task_tokens_go_through_the_tokenizer(ckpt):
 
 def test_without_a_tokenizer_the_mapping_is_the_identity(ckpt):
     assert PT.load_tokenizer(ckpt("qwen2", with_tokenizer=False)) is None
-    with pytest.raises(ValueError, match="has no tokenizer .* pass --token-map identity"):
+    with pytest.raises(ValueError, match=r"--model .* has no tokenizer \(tokenizer\.json / tokenizer_config\.json\), so "
+                                         r"the task's tokens cannot be found in the model's vocabulary.* pass --token-map "
+                                         r"identity"):
         PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK)
     lm = PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK, token_map="identity")
     assert torch.equal(lm.token_ids, torch.arange(16)) and lm.model.vocab_size == 32
