@@ -3,9 +3,15 @@
 One table of cases. Each case either expects a clear ``ValueError`` / ``TypeError`` /
 ``KeyError`` whose message names the offending argument or key (and the fix, where
 there is one), or computes a result that is checked against an independent
-computation (plain Python loops over the valid tokens, hand arithmetic) -- never
-only for finiteness. A case that fails here is a silent wrong number or an
-unhelpful error in the library, not in this file.
+computation (the testing kit's loop references, plain Python over the valid
+tokens, hand arithmetic) -- never only for finiteness. A case that fails here is a
+silent wrong number or an unhelpful error in the library, not in this file.
+
+Each message is pinned in full once, in the test file of the code that raises it
+(the shared validators' and the functional core's in ``tests/test_functional.py``,
+a module's in its own test file). A refusal with the same call as one there is not
+repeated here; a case that reaches a shared validator through another caller
+asserts only that caller's part of the message (the argument or key it names).
 
 Categories (``Case.kind``):
 
@@ -58,6 +64,14 @@ from ppo_objectives.llm_interop import (
     bootstrap_from_next_turn,
 )
 from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.testing import (
+    reference_gae_response,
+    reference_kl,
+    reference_log_probs,
+    reference_ppo_policy_loss,
+    reference_response_log_probs,
+)
+from ppo_objectives.testing.references import whiten
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
@@ -184,37 +198,9 @@ def naive_var(xs):
     return sum((x - mu) ** 2 for x in xs) / max(len(xs), 1)
 
 
-def naive_whiten(values, m, eps=1e-8):
-    xs = values[m].tolist()
-    mu, var = naive_mean(xs), naive_var(xs)
-    out = torch.zeros(values.shape, dtype=torch.float64)
-    out[m] = torch.tensor([(x - mu) / math.sqrt(var + eps) for x in xs], dtype=torch.float64)
-    return out
-
-
-def naive_gae(r, v, m, gamma, lmbda, boot=None):
-    """Raw advantages and returns over the valid tokens of each row (Python floats)."""
-    adv = torch.zeros(r.shape, dtype=torch.float64)
-    for b in range(r.shape[0]):
-        idx = [t for t in range(r.shape[1]) if bool(m[b, t])]
-        next_v = 0.0 if boot is None else float(boot[b])
-        next_a = 0.0
-        for t in reversed(idx):
-            delta = float(r[b, t]) + gamma * next_v - float(v[b, t])
-            next_a = delta + gamma * lmbda * next_a
-            next_v = float(v[b, t])
-            adv[b, t] = next_a
-    ret = torch.where(m, adv + torch.where(m, v.double(), 0.0), 0.0)
-    return adv, ret
-
-
-def naive_ppo(new, old, adv, m, eps, eps_high=None):
-    eps_high = eps if eps_high is None else eps_high
-    per = []
-    for n, o, a in zip(valid(new, m), valid(old, m), valid(adv, m)):
-        ratio = math.exp(n - o)
-        per.append(max(-a * ratio, -a * min(max(ratio, 1 - eps), 1 + eps_high)))
-    return naive_mean(per)
+def mean_k3(logp, ref, m):
+    """The k3 KL estimate averaged over the valid tokens (the kit's per-token reference)."""
+    return reference_kl(logp, ref, "k3", mask=m).sum() / max(int(m.sum()), 1)
 
 
 def naive_value_loss(v, v_old, ret, m, c):
@@ -223,10 +209,6 @@ def naive_value_loss(v, v_old, ret, m, c):
         clipped = min(max(x, xo - c), xo + c)
         per.append(0.5 * max((x - g) ** 2, (clipped - g) ** 2))
     return naive_mean(per)
-
-
-def naive_k3(logp, ref, m):
-    return naive_mean([math.exp(r - p) - (r - p) - 1 for p, r in zip(valid(logp, m), valid(ref, m))])
 
 
 def meta_like(x):
@@ -244,14 +226,10 @@ refuse("masked_mean-broadcastable-mask-refused", "shape", lambda: F.masked_mean(
        ValueError, r"mask has shape \(4,\) but x has shape \(2, 4\)")
 refuse("masked_sum-int-values", "dtype", lambda: F.masked_sum(torch.ones(2, 4, dtype=torch.long), MASK),
        TypeError, r"x must be a floating-point tensor.*x\.float\(\)")
-refuse("masked_mean-list-values", "dtype", lambda: F.masked_mean([1.0, 2.0], MASK),
-       TypeError, r"x must be a torch\.Tensor, got list")
-refuse("masked_mean-complex-mask", "dtype", lambda: F.masked_mean(X, MASK.to(torch.complex64)),
-       TypeError, r"mask must be bool or real")
 refuse("masked_mean-mask-0.5", "mask-values", lambda: F.masked_mean(X, torch.full((2, 4), 0.5)),
-       ValueError, r"mask must hold only 0 and 1.*\[0\.5.*mask > 0\.5")
+       ValueError, r"\bmask\b")
 refuse("masked_var-mask-2", "mask-values", lambda: F.masked_var(X_CLEAN, MASK.long() * 2),
-       ValueError, r"mask must hold only 0 and 1.*\[2")
+       ValueError, r"\bmask\b")
 accept("masked_mean-float-01-mask-equals-bool-mask", "mask-values",
        lambda: F.masked_mean(X, MASK.float()), lambda out: close(out, naive_mean(VALID)))
 refuse("value_checks-off-keeps-shape-checks", "mask-values",
@@ -274,19 +252,17 @@ accept("masked_mean-nan-inf-at-masked", "masked-garbage", lambda: F.masked_mean(
 accept("masked_var-nan-inf-at-masked", "masked-garbage", lambda: F.masked_var(X, MASK),
        lambda out: close(out, naive_var(VALID)))
 accept("masked_whiten-nan-inf-at-masked", "masked-garbage", lambda: F.masked_whiten(X, MASK),
-       lambda out: close(out, naive_whiten(X_CLEAN, MASK)))
+       lambda out: close(out, whiten(X_CLEAN, MASK)))
 accept("masked_whiten-bf16-computed-in-float32", "dtype",
        lambda: F.masked_whiten(X.bfloat16(), MASK),
-       lambda out: (close(out.float(), naive_whiten(X_CLEAN.bfloat16().double(), MASK), atol=2e-2, rtol=1e-2),
+       lambda out: (close(out.float(), whiten(X_CLEAN.bfloat16().double(), MASK), atol=2e-2, rtol=1e-2),
                     _assert_dtype(out, torch.bfloat16)))
 refuse("masked_mean-values-on-other-device", "device", lambda: F.masked_mean(meta_like(X), MASK),
-       ValueError, r"one device.*x on meta.*mask on cpu.*\.to\(device\)")
+       ValueError, r"\bx on meta")
 refuse("masked_mean-mask-on-other-device", "device", lambda: F.masked_mean(X, meta_like(MASK)),
-       ValueError, r"one device.*x on cpu.*mask on meta")
+       ValueError, r"\bmask on meta")
 refuse("masked_whiten-eps-0", "hyper", lambda: F.masked_whiten(X, MASK, eps=0.0),
        ValueError, r"eps=0\.0 must be a finite number > 0")
-refuse("masked_mean-process-group-with-dim", "hyper", lambda: F.masked_mean(X, MASK, dim=-1, process_group=object()),
-       ValueError, r"process_group needs dim=None")
 accept("masked_mean-empty-batch-is-zero", "empty-batch",
        lambda: F.masked_mean(torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool)), exactly_zero)
 accept("masked_whiten-zero-length-response", "empty-batch",
@@ -308,8 +284,6 @@ def _assert_shape(x, shape):
 
 
 # ---- explained variance -----------------------------------------------------
-refuse("explained_variance-shape-mismatch", "shape", lambda: F.explained_variance(VAL, RET[:, :3], MASK),
-       ValueError, r"returns has shape \(2, 3\) but values has shape \(2, 4\)")
 accept("explained_variance-nan-inf-at-masked", "masked-garbage", lambda: F.explained_variance(VAL, RET, MASK),
        lambda out: close(out, 1 - naive_var([g - v for g, v in zip(valid(RET), valid(VAL))]) / naive_var(valid(RET))))
 accept("explained_variance-empty-mask-is-zero", "mask-empty",
@@ -318,58 +292,28 @@ accept("explained_variance-constant-returns-is-zero", "mask-empty",
        lambda: F.explained_variance(VAL, torch.ones(2, 4), MASK), exactly_zero)
 
 # ---- response positions and log-probs ---------------------------------------
-refuse("response_logp_positions-2d-prompt-lens", "shape", lambda: F.response_logp_positions(torch.ones(2, 1, dtype=torch.long), 3),
-       ValueError, r"prompt_lens must be 1-D \[B\]")
-refuse("response_logp_positions-float-prompt-lens", "dtype", lambda: F.response_logp_positions(torch.tensor([2.0]), 3),
-       TypeError, r"prompt_lens must be an integer tensor.*\.long\(\)")
-refuse("response_logp_positions-response-len-0", "hyper", lambda: F.response_logp_positions(torch.tensor([2]), 0),
-       ValueError, r"response_len=0 must be >= 1")
-refuse("response_logp_positions-response-len-bool", "dtype", lambda: F.response_logp_positions(torch.tensor([2]), True),
-       TypeError, r"response_len must be an int")
-refuse("response_logp_positions-prompt-len-0", "hyper", lambda: F.response_logp_positions(torch.tensor([0, 2]), 2),
-       ValueError, r"prompt_lens must be >= 1")
 
 LOGITS = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
 IDS = torch.tensor([[3, 1, 4, 1, 5, 0], [2, 7, 1, 6, 2, 7]])  # ids < V = 8
 PLENS = torch.tensor([2, 3])
 
 
-def naive_logp(logits, ids, plens, R):
-    out = torch.zeros(len(plens), R, dtype=torch.float64)
-    for b in range(len(plens)):
-        for j in range(R):
-            p = int(plens[b]) - 1 + j
-            out[b, j] = torch.log_softmax(logits[b, p].double(), -1)[ids[b, p + 1]]
-    return out
-
-
-refuse("response_log_probs-2d-logits", "shape", lambda: F.response_log_probs(LOGITS[:, :, 0], IDS, PLENS, 2),
-       ValueError, r"logits must be \[B, T, V\], got shape \(2, 6\)")
 refuse("response_log_probs-ids-shape", "shape", lambda: F.response_log_probs(LOGITS, IDS[:, :5], PLENS, 2),
        ValueError, r"input_ids has shape \(2, 5\) but logits has shape \(2, 6, 8\)")
-refuse("response_log_probs-prompt-lens-shape", "shape", lambda: F.response_log_probs(LOGITS, IDS, PLENS[:, None], 2),
-       ValueError, r"prompt_lens has shape \(2, 1\), expected \[B\]")
 refuse("response_log_probs-int-logits", "dtype", lambda: F.response_log_probs(LOGITS.long(), IDS, PLENS, 2),
        TypeError, r"logits must be a floating-point tensor")
-refuse("response_log_probs-float-ids", "dtype", lambda: F.response_log_probs(LOGITS, IDS.float(), PLENS, 2),
-       TypeError, r"input_ids must be an integer tensor")
 refuse("response_log_probs-token-id-outside-vocab", "token-ids",
        lambda: F.response_log_probs(LOGITS, _with_id(IDS, (0, 2), 9), PLENS, 2),
        ValueError, r"input_ids.*(vocab|V=8)")
 accept("response_log_probs-bf16-logits-float32-result", "dtype",
        lambda: F.response_log_probs(LOGITS.bfloat16(), IDS, PLENS, 3),
-       lambda out: (_assert_dtype(out, torch.float32), close(out, naive_logp(LOGITS.bfloat16(), IDS, PLENS, 3), atol=1e-5)))
+       lambda out: (_assert_dtype(out, torch.float32), close(out, reference_response_log_probs(LOGITS.bfloat16(), IDS, PLENS, 3), atol=1e-5)))
 accept("response_log_probs-nan-logits-at-unread-positions", "masked-garbage",
        lambda: F.response_log_probs(_nan_in_unread(LOGITS), IDS, PLENS, 3),
-       lambda out: close(out, naive_logp(LOGITS, IDS, PLENS, 3)))
+       lambda out: close(out, reference_response_log_probs(LOGITS, IDS, PLENS, 3)))
 refuse("response_log_probs-prompt-lens-on-other-device", "device",
        lambda: F.response_log_probs(LOGITS, IDS, meta_like(PLENS), 2),
-       ValueError, r"one device.*prompt_lens on meta")
-refuse("response_log_probs-chunk-size-0", "hyper", lambda: F.response_log_probs(LOGITS, IDS, PLENS, 2, chunk_size=0),
-       ValueError, r"chunk_size=0 must be an int >= 1 or None")
-refuse("response_log_probs-prompt-plus-response-longer-than-sequence", "long-prompt",
-       lambda: F.response_log_probs(LOGITS, IDS, torch.tensor([5, 3]), 2),
-       ValueError, r"positions outside the sequence.*T >= 7.*T=6")
+       ValueError, r"\bprompt_lens on meta")
 accept("response_log_probs-empty-batch", "empty-batch",
        lambda: F.response_log_probs(torch.empty(0, 6, 8), torch.empty(0, 6, dtype=torch.long),
                                     torch.empty(0, dtype=torch.long), 3, return_entropy=True),
@@ -394,8 +338,6 @@ def _nan_in_unread(logits):
 # ---- masked GAE -------------------------------------------------------------
 refuse("masked_gae-values-shape", "shape", lambda: F.masked_gae(REW, VAL[:, :3], MASK, 1.0, 0.95),
        ValueError, r"values has shape \(2, 3\) but token_rewards has shape \(2, 4\)")
-refuse("masked_gae-scalar-rewards", "shape", lambda: F.masked_gae(torch.tensor(1.0), torch.tensor(0.0), torch.tensor(True), 1.0, 0.95),
-       ValueError, r"time axis")
 refuse("masked_gae-bootstrap-value-shape", "shape",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.zeros(2, 1)),
        ValueError, r"bootstrap_value has shape \(2, 1\) but must be \[\*B\] = \(2,\)")
@@ -404,27 +346,25 @@ refuse("masked_gae-values-not-a-tensor", "dtype", lambda: F.masked_gae(REW, VAL.
 refuse("masked_gae-int-bootstrap-value", "dtype",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.zeros(2, dtype=torch.long)),
        TypeError, r"bootstrap_value must be a floating-point tensor")
-refuse("masked_gae-gamma-string", "dtype", lambda: F.masked_gae(REW, VAL, MASK, "1.0", 0.95),
-       TypeError, r"gamma must be a float in \[0, 1\]")
 refuse("masked_gae-mask-minus-1", "mask-values", lambda: F.masked_gae(REW, VAL, -MASK.float(), 1.0, 0.95),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 accept("masked_gae-empty-mask-whitened-is-zero", "mask-empty",
        lambda: F.masked_gae(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95, average_gae=True),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
 for _backend in ("torch", "loop"):
     accept(f"masked_gae-nan-inf-at-masked-{_backend}", "masked-garbage",
            lambda b=_backend: F.masked_gae(REW, VAL, MASK, 0.9, 0.8, average_gae=False, backend=b),
-           lambda out: (close(out[0], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]),
-                        close(out[1], naive_gae(REW, VAL, MASK, 0.9, 0.8)[1])))
+           lambda out: (close(out[0], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]),
+                        close(out[1], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[1])))
 accept("masked_gae-nan-inf-at-masked-whitened", "masked-garbage",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, average_gae=True),
-       lambda out: close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 1.0, 0.95)[0], MASK)))
+       lambda out: close(out[0], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, average_gae=True)[0]))
 accept("masked_gae-bf16-inputs", "dtype",
        lambda: F.masked_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95, average_gae=False),
        lambda out: (_assert_dtype(out[0], torch.bfloat16),
-                    close(out[0].float(), naive_gae(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95)[0], atol=2e-2, rtol=1e-2)))
+                    close(out[0].float(), reference_gae_response(REW.bfloat16(), VAL.bfloat16(), MASK, 1.0, 0.95)[0], atol=2e-2, rtol=1e-2)))
 refuse("masked_gae-values-on-other-device", "device", lambda: F.masked_gae(REW, meta_like(VAL), MASK, 1.0, 0.95),
-       ValueError, r"one device.*values on meta")
+       ValueError, r"\bvalues on meta")
 refuse("masked_gae-gamma-1.5", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.5, 0.95),
        ValueError, r"gamma=1\.5 is outside \[0, 1\]")
 refuse("masked_gae-lam-negative", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.0, -0.1),
@@ -433,11 +373,9 @@ refuse("masked_gae-gamma-nan", "hyper", lambda: F.masked_gae(REW, VAL, MASK, NAN
        ValueError, r"gamma=nan is outside \[0, 1\]")
 refuse("masked_gae-gamma-tensor-2", "hyper", lambda: F.masked_gae(REW, VAL, MASK, torch.tensor(2.0), 0.95),
        ValueError, r"gamma=2\.0 is outside \[0, 1\]")
-refuse("masked_gae-unknown-backend", "hyper", lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, backend="cuda"),
-       ValueError, r"backend='cuda' is not one of")
 accept("masked_gae-truncated-row-no-eos-bootstrapped", "no-eos",
        lambda: F.masked_gae(REW, VAL, MASK, 1.0, 0.95, average_gae=False, bootstrap_value=torch.tensor([0.0, 2.5])),
-       lambda out: close(out[0], naive_gae(REW, VAL, MASK, 1.0, 0.95, boot=[0.0, 2.5])[0]))
+       lambda out: close(out[0], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.tensor([0.0, 2.5]))[0]))
 accept("masked_gae-empty-batch", "empty-batch",
        lambda: F.masked_gae(torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool), 1.0, 0.95),
        lambda out: (_assert_shape(out[0], (0, 4)), _assert_shape(out[1], (0, 4))))
@@ -460,22 +398,16 @@ accept("aggregate_loss-seq-mean-token-mean-empty-mask", "mask-empty",
        lambda: F.aggregate_loss(_L, torch.zeros(2, 4, dtype=torch.bool), "seq-mean-token-mean"), exactly_zero)
 refuse("aggregate_loss-scalar", "shape", lambda: F.aggregate_loss(torch.tensor(1.0), torch.tensor(True)),
        ValueError, r"per_token must have a token axis")
-refuse("aggregate_loss-unknown-mode", "hyper", lambda: F.aggregate_loss(_L, MASK, "mean"),
-       ValueError, r"aggregation='mean' is not one of")
 refuse("aggregate_loss-normalizer-0", "hyper", lambda: F.aggregate_loss(_L, MASK, normalizer=0.0),
-       ValueError, r"normalizer=0\.0 must be a finite number > 0")
+       ValueError, r"normalizer=0\.0")
 refuse("aggregate_loss-normalizer-tensor-0", "hyper", lambda: F.aggregate_loss(_L, MASK, normalizer=torch.tensor(0.0)),
-       ValueError, r"normalizer.*> 0")
-refuse("aggregate_loss-int-normalizer-tensor", "dtype", lambda: F.aggregate_loss(_L, MASK, normalizer=torch.tensor(5)),
-       TypeError, r"normalizer must be a positive float or a one-element float tensor")
+       ValueError, r"normalizer=0\.0")
 refuse("aggregate_loss-normalizer-on-other-device", "device",
        lambda: F.aggregate_loss(_L, MASK, normalizer=torch.empty((), device="meta")),
-       ValueError, r"one device.*normalizer on meta")
+       ValueError, r"\bnormalizer on meta")
 for _mode in F.AGGREGATIONS:
     accept(f"aggregate_loss-{_mode}-empty-batch", "empty-batch",
            lambda mode=_mode: F.aggregate_loss(torch.empty(0, 4), torch.empty(0, 4, dtype=torch.bool), mode), exactly_zero)
-refuse("loss_normalizer-unknown-mode", "hyper", lambda: F.loss_normalizer(MASK, "sum"),
-       ValueError, r"aggregation='sum' is not one of")
 refuse("loss_normalizer-scalar-mask", "shape", lambda: F.loss_normalizer(torch.tensor(True)),
        ValueError, r"mask must have a token axis")
 accept("loss_normalizer-empty-batch-is-one", "empty-batch",
@@ -487,12 +419,12 @@ refuse("ppo_policy_loss-per-sequence-advantage", "shape", lambda: F.ppo_policy_l
 refuse("ppo_policy_loss-int-new-logps", "dtype", lambda: F.ppo_policy_loss(NEW.long(), OLD, ADV, MASK, 0.2),
        TypeError, r"log_prob must be a floating-point tensor")
 refuse("ppo_policy_loss-mask-2", "mask-values", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK.long() + 1, 0.2),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 accept("ppo_policy_loss-nan-inf-at-masked", "masked-garbage", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2),
-       lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.2)))
+       lambda out: close(out, reference_ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2)))
 accept("ppo_policy_loss-clip-higher-nan-inf-at-masked", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, (0.1, 0.3)),
-       lambda out: close(out, naive_ppo(NEW, OLD, ADV, MASK, 0.1, 0.3)))
+       lambda out: close(out, reference_ppo_policy_loss(NEW, OLD, ADV, MASK, (0.1, 0.3))))
 accept("ppo_policy_loss-stats-ignore-masked-garbage", "masked-garbage",
        lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, return_stats=True)[1],
        lambda stats: (close(stats["kl_approx"], naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])),
@@ -504,27 +436,19 @@ accept("ppo_policy_loss-empty-mask-loss-and-stats-zero", "mask-empty",
 accept("ppo_policy_loss-fp16-inputs-float32-math", "dtype",
        lambda: F.ppo_policy_loss(NEW.half(), OLD.half(), ADV.half(), MASK, 0.2),
        lambda out: (_assert_dtype(out, torch.float32),
-                    close(out, naive_ppo(NEW.half().double(), OLD.half().double(), ADV.half().double(), MASK, 0.2))))
+                    close(out, reference_ppo_policy_loss(NEW.half().double(), OLD.half().double(), ADV.half().double(), MASK, 0.2))))
 refuse("ppo_policy_loss-old-logps-on-other-device", "device", lambda: F.ppo_policy_loss(NEW, meta_like(OLD), ADV, MASK, 0.2),
-       ValueError, r"one device.*sample_log_prob on meta")
-refuse("ppo_policy_loss-clip-0", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.0),
-       ValueError, r"clip_epsilon=0\.0 must be a finite number > 0")
+       ValueError, r"\bsample_log_prob on meta")
 refuse("ppo_policy_loss-clip-nan", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, NAN),
-       ValueError, r"clip_epsilon=nan must be a finite number")
-refuse("ppo_policy_loss-clip-high-negative", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, (0.2, -0.1)),
-       ValueError, r"clip_epsilon \(high\)=-0\.1 must be a finite number > 0")
+       ValueError, r"clip_epsilon=nan")
 refuse("ppo_policy_loss-dual-clip-below-1", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, dual_clip=0.9),
        ValueError, r"dual_clip=0\.9 must be a finite number > 1.*must exceed 1")
-refuse("ppo_policy_loss-clip-string", "dtype", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, "0.2"),
-       TypeError, r"clip_epsilon must be a positive float")
 refuse("ppo_policy_loss-unknown-agg-mode", "hyper", lambda: F.ppo_policy_loss(NEW, OLD, ADV, MASK, 0.2, aggregation="sum"),
-       ValueError, r"aggregation='sum' is not one of")
+       ValueError, r"aggregation='sum'")
 accept("ppo_policy_loss-empty-batch", "empty-batch",
        lambda: F.ppo_policy_loss(*(torch.empty(0, 4),) * 3, torch.empty(0, 4, dtype=torch.bool), 0.2, return_stats=True),
        lambda out: (exactly_zero(out[0]), [exactly_zero(v) for v in out[1].values()]))
 
-refuse("approx_kl-shape", "shape", lambda: F.approx_kl(NEW, OLD[:1], MASK),
-       ValueError, r"sample_log_prob has shape \(1, 4\) but log_prob has shape \(2, 4\)")
 accept("approx_kl-nan-inf-at-masked", "masked-garbage", lambda: F.approx_kl(NEW, OLD, MASK),
        lambda out: close(out, naive_mean([0.5 * (n - o) ** 2 for n, o in zip(valid(NEW), valid(OLD))])))
 accept("approx_kl-empty-mask", "mask-empty", lambda: F.approx_kl(NEW, OLD, torch.zeros(2, 4, dtype=torch.bool)), exactly_zero)
@@ -534,16 +458,14 @@ refuse("kl_estimate-shape", "shape", lambda: F.kl_estimate(NEW, OLD[:1]),
        ValueError, r"ref_log_prob has shape \(1, 4\) but log_prob has shape \(2, 4\)")
 refuse("kl_estimate-int-ref", "dtype", lambda: F.kl_estimate(NEW, OLD.long()),
        TypeError, r"ref_log_prob must be a floating-point tensor")
-refuse("kl_estimate-unknown-estimator", "hyper", lambda: F.kl_estimate(NEW, OLD, "k4"),
-       ValueError, r"estimator='k4' is not one of")
 refuse("kl_estimate-clamp-0", "hyper", lambda: F.kl_estimate(NEW, OLD, clamp=0.0),
        ValueError, r"clamp=0\.0 must be a finite number > 0")
 refuse("kl_estimate-ref-on-other-device", "device", lambda: F.kl_estimate(NEW, meta_like(OLD)),
-       ValueError, r"one device.*ref_log_prob on meta")
+       ValueError, r"\bref_log_prob on meta")
 refuse("reference_kl_penalty-mask-trailing-one", "shape", lambda: F.reference_kl_penalty(NEW, OLD, MASK[..., None]),
        ValueError, r"mask has shape \(2, 4, 1\) but log_prob has shape \(2, 4\)")
 accept("reference_kl_penalty-k3-nan-inf-at-masked", "masked-garbage", lambda: F.reference_kl_penalty(NEW, OLD, MASK),
-       lambda out: close(out, naive_k3(NEW, OLD, MASK)))
+       lambda out: close(out, mean_k3(NEW, OLD, MASK)))
 accept("reference_kl_penalty-k1-nan-inf-at-masked", "masked-garbage",
        lambda: F.reference_kl_penalty(NEW, OLD, MASK, estimator="k1"),
        lambda out: close(out, naive_mean([n - o for n, o in zip(valid(NEW), valid(OLD))])))
@@ -554,7 +476,7 @@ refuse("reference_kl_penalty-unknown-agg-mode", "hyper", lambda: F.reference_kl_
 
 # ---- the clipped value loss -------------------------------------------------
 refuse("clipped_value_loss-returns-trailing-one", "shape", lambda: F.clipped_value_loss(VAL, VAL, RET[..., None], MASK, 0.2),
-       ValueError, r"returns has shape \(2, 4, 1\) but values has shape \(2, 4\)")
+       ValueError, r"returns has shape \(2, 4, 1\)")
 refuse("clipped_value_loss-int-returns", "dtype", lambda: F.clipped_value_loss(VAL, VAL, RET.long(), MASK, 0.2),
        TypeError, r"returns must be a floating-point tensor")
 accept("clipped_value_loss-nan-inf-at-masked", "masked-garbage",
@@ -564,27 +486,25 @@ accept("clipped_value_loss-empty-mask", "mask-empty",
        lambda: F.clipped_value_loss(VAL, VAL, RET, torch.zeros(2, 4, dtype=torch.bool), 0.2, return_stats=True),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1]["value_clip_fraction"])))
 refuse("clipped_value_loss-returns-on-other-device", "device", lambda: F.clipped_value_loss(VAL, VAL, meta_like(RET), MASK, 0.2),
-       ValueError, r"one device.*returns on meta")
-refuse("clipped_value_loss-cliprange-negative", "hyper", lambda: F.clipped_value_loss(VAL, VAL, RET, MASK, -0.2),
-       ValueError, r"clip_value=-0\.2 must be a finite number > 0")
+       ValueError, r"\breturns on meta")
 
 # ---- more devices and the readable GAE loop ---------------------------------
 refuse("explained_variance-returns-on-other-device", "device", lambda: F.explained_variance(VAL, meta_like(RET), MASK),
-       ValueError, r"one device.*returns on meta")
+       ValueError, r"\breturns on meta")
 refuse("approx_kl-mask-on-other-device", "device", lambda: F.approx_kl(NEW, OLD, meta_like(MASK)),
-       ValueError, r"one device.*mask on meta")
+       ValueError, r"\bmask on meta")
 refuse("reference_kl_penalty-ref-on-other-device", "device", lambda: F.reference_kl_penalty(NEW, meta_like(OLD), MASK),
-       ValueError, r"one device.*ref_log_prob on meta")
+       ValueError, r"\bref_log_prob on meta")
 refuse("loss_normalizer-mask-2", "mask-values", lambda: F.loss_normalizer(MASK.long() * 2),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 refuse("masked_gae_reference-mask-shape", "shape", lambda: F.masked_gae_reference(REW, VAL, MASK[:1], 1.0, 0.95),
        ValueError, r"mask has shape \(1, 4\) but token_rewards has shape \(2, 4\)")
 refuse("masked_gae_reference-lam-2", "hyper", lambda: F.masked_gae_reference(REW, VAL, MASK, 1.0, 2.0),
        ValueError, r"lmbda=2\.0 is outside \[0, 1\]")
 accept("masked_gae_reference-nan-inf-at-masked-whitened", "masked-garbage",
        lambda: F.masked_gae_reference(REW, VAL, MASK, 0.99, 0.9),
-       lambda out: (close(out[0], naive_whiten(naive_gae(REW, VAL, MASK, 0.99, 0.9)[0], MASK)),
-                    close(out[1], naive_gae(REW, VAL, MASK, 0.99, 0.9)[1])))
+       lambda out: (close(out[0], reference_gae_response(REW, VAL, MASK, 0.99, 0.9, average_gae=True)[0]),
+                    close(out[1], reference_gae_response(REW, VAL, MASK, 0.99, 0.9)[1])))
 accept("masked_gae_reference-empty-mask", "mask-empty",
        lambda: F.masked_gae_reference(REW, VAL, torch.zeros(2, 4, dtype=torch.bool), 1.0, 0.95),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
@@ -607,33 +527,28 @@ refuse("MaskedGAE-gamma-1.5", "hyper", lambda: MaskedGAE(gamma=1.5, lmbda=0.95),
        ValueError, r"gamma=1\.5 is outside \[0, 1\]")
 refuse("MaskedGAE-lmbda-negative", "hyper", lambda: MaskedGAE(gamma=1.0, lmbda=-0.5),
        ValueError, r"lmbda=-0\.5 is outside \[0, 1\]")
-refuse("MaskedGAE-missing-reward", "missing-key", lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(drop=[("next", "reward")])),
-       KeyError, r"MaskedGAE: the TensorDict has no \('next', 'reward'\) \(the per-step reward\)")
 refuse("MaskedGAE-missing-value-no-network", "missing-key", lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(drop=["state_value"])),
        KeyError, r"no 'state_value' \(the critic's values\); no value_network was given.*value_network=")
 refuse("MaskedGAE-done-flags-without-next-value", "missing-key",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__done=torch.zeros(2, 4, 1, dtype=torch.bool))),
        KeyError, r"no \('next', 'state_value'\) \(the next values\); done flags are present.*bootstrap")
-refuse("MaskedGAE-no-time-dimension", "shape",
-       lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(TensorDict({"state_value": torch.zeros(()), ("next", "reward"): torch.zeros(())}, [])),
-       ValueError, r"needs a TensorDict with a time dimension")
 refuse("MaskedGAE-per-sequence-reward-refused", "shape",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(batch=(2,), next__reward=torch.ones(2, 1))),
        ValueError, r"reward \('next', 'reward'\) has shape \(2, 1\).*Broadcasting it would mix")
 refuse("MaskedGAE-mask-0.5", "mask-values", lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(mask=torch.full((2, 4), 0.5))),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 refuse("MaskedGAE-int-reward", "dtype",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__reward=torch.ones(2, 4, dtype=torch.long))),
        TypeError, r"(token_rewards|reward) must be a floating-point tensor")
 accept("MaskedGAE-nan-inf-at-masked", "masked-garbage", lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td()),
-       lambda td: (close(td["advantage"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]),
-                   close(td["value_target"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[1])))
+       lambda td: (close(td["advantage"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]),
+                   close(td["value_target"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[1])))
 accept("MaskedGAE-collector-layout-nan-inf-at-masked", "masked-garbage",
        lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td(next__state_value=torch.zeros(2, 4),
                                                        next__done=torch.zeros(2, 4, dtype=torch.bool),
                                                        next__terminated=torch.zeros(2, 4, dtype=torch.bool))),
        # no flag set: each row is cut by the batch boundary and bootstrapped from ("next", "state_value") = 0
-       lambda td: close(td["advantage"], naive_gae(REW, VAL, MASK, 0.9, 0.8)[0]))
+       lambda td: close(td["advantage"], reference_gae_response(REW, VAL, MASK, 0.9, 0.8)[0]))
 accept("MaskedGAE-empty-mask-whitened", "mask-empty",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(gae_td(mask=torch.zeros(2, 4, dtype=torch.bool))),
        lambda td: (exactly_zero(td["advantage"]), exactly_zero(td["value_target"])))
@@ -643,10 +558,10 @@ accept("MaskedGAE-truncated-no-eos-bootstraps-next-value", "no-eos",
            next__done=torch.tensor([[False, True, False, False], [False, False, False, True]]),
            next__truncated=torch.tensor([[False, False, False, False], [False, False, False, True]]))),
        # row 0 terminates at its last valid token; row 1 is truncated (no EOS): bootstrap V = 2.5
-       lambda td: close(td["advantage"], naive_gae(REW, VAL, MASK, 1.0, 0.95, boot=[0.0, 2.5])[0]))
+       lambda td: close(td["advantage"], reference_gae_response(REW, VAL, MASK, 1.0, 0.95, bootstrap_value=torch.tensor([0.0, 2.5]))[0]))
 refuse("MaskedGAE-value-on-other-device", "device",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(state_value=meta_like(VAL))),
-       ValueError, r"one device.*meta")
+       ValueError, r"\bvalues on meta")
 accept("MaskedGAE-empty-batch", "empty-batch",
        lambda: MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(gae_td(
            batch=(0, 4), state_value=torch.empty(0, 4), mask=torch.empty(0, 4, dtype=torch.bool),
@@ -708,49 +623,24 @@ def ppo_loss(**kw):
 def _check_ppo_garbage(out):
     new = -0.1 * (TOKENS.float() + 1) + 0.05
     values = 0.1 * TOKENS.float() + 0.3
-    close(out["loss_objective"], naive_ppo(new, OLD, ADV, MASK, 0.2))
+    close(out["loss_objective"], reference_ppo_policy_loss(new, OLD, ADV, MASK, 0.2))
     close(out["loss_critic"], 0.5 * naive_value_loss(values, VAL, RET, MASK, 0.2))
-    close(out["kl_ref"], naive_k3(new, OLD - 0.1, MASK))
+    close(out["kl_ref"], mean_k3(new, OLD - 0.1, MASK))
     close(out["entropy"], naive_mean(valid(1.0 + 0.01 * TOKENS.float())))
 
 
-refuse("TokenPPOLoss-no-actor", "missing-key", lambda: TokenPPOLoss(None, None),
-       TypeError, r"needs an actor_network")
-refuse("TokenPPOLoss-clip-epsilon-0", "hyper", lambda: ppo_loss(clip_epsilon=0.0),
-       ValueError, r"clip_epsilon=0\.0 must be a finite number > 0")
-refuse("TokenPPOLoss-clip-epsilon-triple", "hyper", lambda: ppo_loss(clip_epsilon=(0.1, 0.2, 0.3)),
-       ValueError, r"clip_epsilon=\(0\.1, 0\.2, 0\.3\): give one float.*or a pair")
-refuse("TokenPPOLoss-dual-clip-1", "hyper", lambda: ppo_loss(dual_clip=1.0),
-       ValueError, r"dual_clip=1\.0 must be a finite number > 1")
-refuse("TokenPPOLoss-unknown-kl-estimator", "hyper", lambda: ppo_loss(kl_estimator="kl"),
-       ValueError, r"kl_estimator='kl' is not one of")
-refuse("TokenPPOLoss-unknown-agg-mode", "hyper", lambda: ppo_loss(aggregation="seq-mean"),
-       ValueError, r"aggregation='seq-mean' is not one of")
-refuse("TokenPPOLoss-clip-value-0", "hyper", lambda: ppo_loss(clip_value=0.0),
-       ValueError, r"clip_value=0\.0 must be a finite number > 0")
 refuse("TokenPPOLoss-critic-coeff-negative", "hyper", lambda: ppo_loss(critic_coeff=-0.5),
        ValueError, r"critic_coeff=-0\.5 must be a float >= 0")
 refuse("TokenPPOLoss-kl-coeff-nan", "hyper", lambda: ppo_loss(kl_to_ref_coeff=NAN),
-       ValueError, r"kl_to_ref_coeff=nan must be a (finite )?float")
-refuse("TokenPPOLoss-missing-sample-log-prob", "missing-key", lambda: ppo_loss()(ppo_td(drop=["sample_log_prob"])),
-       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(sample_log_prob=")
-refuse("TokenPPOLoss-missing-ref-log-prob", "missing-key", lambda: ppo_loss(kl_to_ref_coeff=0.02)(ppo_td(drop=["ref_log_prob"])),
-       KeyError, r"no 'ref_log_prob' \(reference log-probs\); needed because kl_to_ref_coeff > 0")
-refuse("TokenPPOLoss-missing-value-target", "missing-key", lambda: ppo_loss()(ppo_td(drop=["value_target"])),
-       KeyError, r"no 'value_target' \(value target\); run the value estimator")
-refuse("TokenPPOLoss-missing-rollout-values", "missing-key", lambda: ppo_loss(clip_value=0.2)(ppo_td(drop=["state_value"])),
-       KeyError, r"no 'state_value' \(rollout values\); needed because clip_value is set")
+       ValueError, r"kl_to_ref_coeff=nan")
 refuse("TokenPPOLoss-missing-advantage-and-reward", "missing-key", lambda: ppo_loss()(ppo_td(drop=["advantage"])),
        KeyError, r"MaskedGAE: the TensorDict has no \('next', 'reward'\) \(the per-step reward\)")
-refuse("TokenPPOLoss-entropy-coeff-without-entropy-output", "missing-key",
-       lambda: ppo_loss(entropy=False, entropy_coeff=0.01)(ppo_td()),
-       KeyError, r"no 'entropy' \(the actor's entropy\); entropy_coeff is set but the actor network did not write it")
 refuse("TokenPPOLoss-per-sequence-advantage", "shape", lambda: ppo_loss()(ppo_td(batch=(2,), advantage=ADV[:, 0])),
        ValueError, r"advantage 'advantage' has shape \(2,\).*Broadcasting it would mix")
 refuse("TokenPPOLoss-int-sample-log-prob", "dtype", lambda: ppo_loss()(ppo_td(sample_log_prob=torch.zeros(2, 4, dtype=torch.long))),
        TypeError, r"sample_log_prob must be a floating-point tensor")
 refuse("TokenPPOLoss-mask-0.5", "mask-values", lambda: ppo_loss()(ppo_td(mask=torch.full((2, 4), 0.5))),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 accept("TokenPPOLoss-nan-inf-at-masked", "masked-garbage",
        lambda: ppo_loss(clip_value=0.2, kl_to_ref_coeff=0.02, entropy_coeff=0.01)(ppo_td()), _check_ppo_garbage)
 accept("TokenPPOLoss-empty-mask-all-terms-zero", "mask-empty",
@@ -760,7 +650,7 @@ accept("TokenPPOLoss-empty-mask-all-terms-zero", "mask-empty",
                                                             "clip_fraction", "kl_approx", "entropy", "explained_variance")])
 refuse("TokenPPOLoss-sample-log-prob-on-other-device", "device",
        lambda: ppo_loss()(ppo_td(sample_log_prob=meta_like(OLD), mask=torch.ones(2, 4, dtype=torch.bool))),
-       ValueError, r"one device.*meta")
+       ValueError, r"\bsample_log_prob on meta")
 accept("TokenPPOLoss-empty-batch", "empty-batch",
        lambda: ppo_loss(clip_value=0.2)(TensorDict(
            {"tokens": torch.empty(0, 4, dtype=torch.long), "mask": torch.empty(0, 4, dtype=torch.bool),
@@ -802,10 +692,6 @@ refuse("KLPenaltyTransform-negative-coeff", "hyper", lambda: KLPenaltyTransform(
        ValueError, r"coeff=-0\.1 must be a float >= 0")
 refuse("KLPenaltyTransform-coeff-module-not-a-controller", "dtype", lambda: KLPenaltyTransform(coeff=nn.Linear(1, 1)),
        TypeError, r"coeff=Linear is not a KL controller")
-refuse("KLPenaltyTransform-missing-sample-log-prob", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["sample_log_prob"])),
-       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(log_prob=")
-refuse("KLPenaltyTransform-missing-ref-and-no-model", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=["ref_log_prob"])),
-       KeyError, r"no 'ref_log_prob' \(the reference log-probs\); no ref_model was given.*ref_model=")
 refuse("KLPenaltyTransform-missing-reward", "missing-key", lambda: KLPenaltyTransform()(kl_td(drop=[("next", "reward")])),
        KeyError, r"no \('next', 'reward'\) \(the reward, needed because add_to_reward=True\).*add_to_reward=False")
 refuse("KLPenaltyTransform-reward-shape", "shape", lambda: KLPenaltyTransform()(kl_td(next__reward=torch.zeros(2, 5), batch=(2,))),
@@ -815,7 +701,7 @@ refuse("KLPenaltyTransform-ref-shape", "shape", lambda: KLPenaltyTransform()(kl_
 refuse("KLPenaltyTransform-int-ref", "dtype", lambda: KLPenaltyTransform()(kl_td(ref_log_prob=OLD.nan_to_num().long())),
        TypeError, r"ref_log_prob must be a floating-point tensor")
 refuse("KLPenaltyTransform-mask-0.5", "mask-values", lambda: KLPenaltyTransform()(kl_td(mask=torch.full((2, 4), 0.5))),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 accept("KLPenaltyTransform-nan-inf-at-masked", "masked-garbage", lambda: KLPenaltyTransform(coeff=0.1)(kl_td()),
        _check_kl_garbage)
 accept("KLPenaltyTransform-empty-mask", "mask-empty",
@@ -823,8 +709,6 @@ accept("KLPenaltyTransform-empty-mask", "mask-empty",
        lambda out: (exactly_zero(out[0]["kl_penalty"]), exactly_zero(out[0]["next", "reward"]), exactly_zero(out[1])))
 refuse("KLPenaltyTransform-sequence-score-on-an-empty-row", "mask-empty", _empty_row_score,
        ValueError, r"(no valid token|empty).*score")
-refuse("KLPenaltyTransform-ref-on-other-device", "device", lambda: KLPenaltyTransform()(kl_td(ref_log_prob=meta_like(OLD))),
-       ValueError, r"one device.*meta")
 accept("KLPenaltyTransform-empty-batch", "empty-batch",
        lambda: _kl_and_last(KLPenaltyTransform(coeff=0.1), kl_td(
            batch=(0,), sample_log_prob=torch.empty(0, 4), ref_log_prob=torch.empty(0, 4),
@@ -851,10 +735,6 @@ def _kl_env_step(ref_model=None, log_prob=True):
     return env.step(td)
 
 
-refuse("KLPenaltyTransform-in-env-without-ref-model", "missing-key", lambda: _kl_env_step(),
-       KeyError, r"inside an env the reference log-prob.*pass ref_model=")
-refuse("KLPenaltyTransform-in-env-policy-without-log-prob", "missing-key", lambda: _kl_env_step(log_prob=False),
-       KeyError, r"no 'sample_log_prob' \(the log-prob of the sampled token\); the policy must write it.*return_log_prob=True.*set_missing_tolerance")
 
 
 def _kl_and_last(transform, td):
@@ -868,16 +748,12 @@ def _adaptive_after(kl, n_steps=1, **kw):
     return ctl.coeff
 
 
-refuse("FixedKLController-nan-coeff", "hyper", lambda: FixedKLController(NAN),
-       ValueError, r"coeff=nan must be a (finite )?float")
 refuse("FixedKLController-string-coeff", "dtype", lambda: FixedKLController("0.1"),
        (TypeError, ValueError), r"coeff='0\.1' must be a float")
 refuse("AdaptiveKLController-target-0", "hyper", lambda: AdaptiveKLController(target=0.0),
        ValueError, r"target=0\.0 must be a finite number > 0")
 refuse("AdaptiveKLController-horizon-negative", "hyper", lambda: AdaptiveKLController(horizon=-10),
        ValueError, r"horizon=-10\.0 must be a finite number > 0")
-refuse("AdaptiveKLController-init-coeff-negative", "hyper", lambda: AdaptiveKLController(init_coeff=-0.2),
-       ValueError, r"init_coeff=-0\.2 must be a float >= 0")
 accept("AdaptiveKLController-update-with-nan-kl-keeps-coeff", "masked-garbage",
        lambda: _adaptive_after(NAN, init_coeff=0.2, target=6.0, horizon=100),
        lambda coeff: close(coeff, 0.2))
@@ -956,12 +832,8 @@ def _check_truncated_llm_batch(out):
     close(llm["score"], expected)
 
 
-refuse("DigitTask-unknown-op", "hyper", lambda: DigitTask("mul"), ValueError, r"op='mul' is unknown; choose one of")
-refuse("DigitTask-num-digits-0", "hyper", lambda: DigitTask("copy", 0), ValueError, r"num_digits=0 must be an int in \[1, 9\]")
 refuse("DigitTask-min-digits-above-num-digits", "hyper", lambda: DigitTask("copy", 2, min_digits=3),
        ValueError, r"min_digits=3 must be in \[1, num_digits=2\]")
-refuse("DigitTask-encode-unknown-character", "token-ids", lambda: TASK.encode("12a"),
-       ValueError, r"characters \['a'\] are not in the vocabulary")
 accept("DigitTask-reward-response-without-eos", "no-eos",
        lambda: TASK.reward(torch.tensor([TASK.encode("123<")]), torch.ones(1, 4, dtype=torch.bool),
                            torch.tensor([TASK.encode("3210")]), torch.ones(1, 4, dtype=torch.bool)),
@@ -973,13 +845,7 @@ accept("DigitTask-reward-budget-shorter-than-answer", "no-eos",
 accept("DigitTask-reward-empty-batch", "empty-batch",
        lambda: TASK.reward(*(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.bool)) * 2),
        lambda out: _assert_shape(out, (0,)))
-refuse("TokenLMEnv-num-envs-0", "hyper", lambda: _env(num_envs=0), ValueError, r"num_envs=0 must be an int >= 1")
 refuse("TokenLMEnv-max-new-tokens-0", "hyper", lambda: _env(max_new_tokens=0), ValueError, r"max_new_tokens=0 must be an int >= 1")
-refuse("TokenLMEnv-eos-outside-vocab", "token-ids", lambda: _env(eos_id=16), ValueError, r"eos_id=16 is outside the vocabulary \[0, 16\)")
-refuse("TokenLMEnv-reward-fn-not-callable", "dtype", lambda: TokenLMEnv(TASK, 1.0, num_envs=1, prompt_len=4, max_new_tokens=4,
-                                                                         vocab_size=16, eos_id=1),
-       TypeError, r"reward_fn must be callable, got float")
-refuse("TokenLMEnv-prompts-not-a-source", "dtype", lambda: _env(prompts=5), TypeError, r"prompts must be a callable.*got int")
 refuse("TokenLMEnv-empty-prompt-list", "empty-batch", lambda: _env(prompts=[]), ValueError, r"prompt source is empty")
 refuse("TokenLMEnv-prompt-longer-than-prompt-len", "long-prompt", lambda: _env(prompts=[[3, 4, 5, 6, 14]]).reset(),
        ValueError, r"prompt 0 has 5 tokens but the env's prompt_len is P=4.*raise prompt_len or shorten")
@@ -991,9 +857,6 @@ refuse("TokenLMEnv-action-outside-vocab", "token-ids", lambda: _step_action(99),
        ValueError, r"action.*99.*vocab")
 accept("TokenLMEnv-response-without-eos-is-truncated-with-partial-credit", "no-eos", _answer_without_eos,
        lambda nxt: (close(nxt["reward"], [[0.75]]), _assert_flags(nxt, done=True, terminated=False, truncated=True)))
-refuse("trajectories_to_llm_batch-single-step", "shape",
-       lambda: trajectories_to_llm_batch(TokenLMEnv.from_task(TASK, num_envs=1).reset()[0], 4, 4),
-       ValueError, r"expected a collector batch \[\*N, T\].*pass the collector's output")
 refuse("trajectories_to_llm_batch-missing-done", "missing-key",
        lambda: trajectories_to_llm_batch(_rollout(4)[0].exclude(("next", "done")), 4, 4),
        KeyError, r"done")
@@ -1054,7 +917,7 @@ def _check_sampled(out):
     full_ids = torch.cat([prompt, ids], 1)
     full_mask = torch.cat([pmask, mask], 1)
     logits = lm(full_ids, full_mask).logits.double()
-    ref = torch.log_softmax(logits[:, 3:-1], -1).gather(-1, ids[..., None]).squeeze(-1)
+    ref = reference_log_probs(logits[:, 3:-1], ids)
     close(logps, torch.where(mask, ref, 0.0), atol=1e-4)
 
 
@@ -1062,31 +925,20 @@ refuse("TinyLMConfig-heads-do-not-divide-width", "hyper", lambda: TinyLMConfig(n
        ValueError, r"n_embd=10 is not divisible by n_head=4.*divisors")
 refuse("TinyLMConfig-vocab-0", "hyper", lambda: TinyLMConfig(vocab_size=0), ValueError, r"vocab_size=0 must be a positive int")
 refuse("TinyLMConfig-dropout-1", "hyper", lambda: TinyLMConfig(dropout=1.0), ValueError, r"dropout=1\.0 must be in \[0, 1\)")
-refuse("TinyLMConfig-unknown-preset", "hyper", lambda: TinyLMConfig.preset("giga"), ValueError, r"unknown preset 'giga'; choose one of")
-refuse("TinyCausalLM-config-dict", "dtype", lambda: TinyCausalLM({"vocab_size": 16}), TypeError, r"config must be a TinyLMConfig, got dict")
 refuse("TinyCausalLM-sequence-longer-than-block-size", "long-prompt", lambda: _lm()(torch.ones(1, 9, dtype=torch.long)),
        ValueError, r"input_ids has T=9 > block_size=8")
-refuse("TinyCausalLM-new-cache-longer-than-block-size", "long-prompt", lambda: _lm().new_cache(1, 9),
-       ValueError, r"max_len=9 exceeds block_size=8.*block_size >= 9")
 refuse("TinyCausalLM-token-id-outside-vocab", "token-ids", lambda: _lm()(torch.tensor([[1, 20]])),
        ValueError, r"input_ids.*20.*vocab_size=16")
-refuse("TinyCausalLM-float-input-ids", "dtype", lambda: _lm()(torch.tensor([[1.0, 2.0]])),
-       TypeError, r"input_ids must be an integer tensor")
-refuse("TinyCausalLM-1d-input-ids", "shape", lambda: _lm()(torch.tensor([1, 2])),
-       ValueError, r"input_ids must be \[B, T\].*\(2,\)")
-refuse("TinyCausalLM-attention-mask-shape", "shape", lambda: _lm()(torch.tensor([[1, 2, 3]]), torch.ones(1, 2, dtype=torch.bool)),
-       ValueError, r"attention_mask has shape \(1, 2\).*input_ids.*\(1, 3\)")
 refuse("TinyCausalLM-attention-mask-0.5", "mask-values", lambda: _lm()(torch.tensor([[1, 2, 3]]), torch.full((1, 3), 0.5)),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 refuse("TinyCausalLM-input-ids-on-other-device", "device", lambda: _lm()(torch.ones(1, 3, dtype=torch.long, device="meta")),
        ValueError, r"input_ids.*meta.*cpu")
 accept("TinyCausalLM-all-padding-row-is-finite-and-isolated", "mask-empty", _padded_row_does_not_change_the_valid_row,
        lambda out: (close(out[0][1], out[0][1]), close(out[0][:1], out[1])))
 accept("TinyCausalLM-empty-batch", "empty-batch", lambda: _lm()(torch.empty(0, 3, dtype=torch.long)).logits,
        lambda out: _assert_shape(out, (0, 3, 16)))
-refuse("ResponseLogProbs-prompt-len-0", "hyper", lambda: ResponseLogProbs(_lm(), 0), ValueError, r"prompt_len=0 must be an int >= 1")
 refuse("make_actor_critic-prompt-len-0", "hyper", lambda: make_actor_critic(TinyLMConfig.preset("pico"), 0),
-       ValueError, r"prompt_len=0 must be an int >= 1")
+       ValueError, r"prompt_len=0")
 refuse("ResponseLogProbs-no-response-tokens", "long-prompt",
        lambda: ResponseLogProbs(_lm(), 3)(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)),
        ValueError, r"T=3 columns but prompt_len=3: there is no response to score")
@@ -1099,7 +951,7 @@ accept("ResponseLogProbs-empty-batch", "empty-batch",
 refuse("NextTokenLogits-position-beyond-the-buffer", "shape", lambda: _ntl(7),
        ValueError, r"position.*7.*\[1, 6\]")
 refuse("NextTokenLogits-buffer-longer-than-block-size", "long-prompt", lambda: _ntl(4, S=9),
-       ValueError, r"max_len=9 exceeds block_size=8")
+       ValueError, r"max_len=9\b")
 refuse("sample_with_kv_cache-prompt-plus-budget-beyond-block-size", "long-prompt",
        lambda: sample_with_kv_cache(_lm(), torch.ones(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), 4, eos_id=1),
        ValueError, r"max_len=10 exceeds block_size=8")
@@ -1120,7 +972,7 @@ def _hf_adapter():
 
 refuse("HFCausalLMAdapter-kv-cache-refused", "hyper",
        lambda: _hf_adapter()(torch.ones(1, 3, dtype=torch.long), cache=object()),
-       ValueError, r"no per-row KV cache")
+       ValueError, r"cache=object is no per-row KV cache of HFCausalLMAdapter: pass the KVCache")
 
 
 # =========================================================================== #
@@ -1175,7 +1027,6 @@ def _boot_td(drop=()):
     return TensorDict(d, [1, 3])
 
 
-refuse("LLMToTokenBatch-negative-pad-id", "hyper", lambda: LLMToTokenBatch(-1), ValueError, r"pad_token_id=-1 must be a non-negative int")
 refuse("LLMToTokenBatch-unknown-layout", "hyper", lambda: LLMToTokenBatch(layout="row"), ValueError, r"layout='row' must be 'dialog'.*or 'turn'")
 refuse("LLMToTokenBatch-unknown-out-key", "missing-key", lambda: LLMToTokenBatch().set_out_keys(maskk="m"),
        ValueError, r"unknown out key 'maskk'; the out keys are")
@@ -1186,16 +1037,13 @@ refuse("LLMToTokenBatch-missing-tokens", "missing-key", lambda: LLMToTokenBatch(
 refuse("LLMToTokenBatch-missing-prompt", "missing-key", lambda: LLMToTokenBatch()(_turns(_turn(drop=[("tokens", "prompt")]))),
        KeyError, r"no \('tokens', 'prompt'\) \(the prompt tokens\); they locate the generated tokens")
 refuse("LLMToTokenBatch-missing-reward", "missing-key", lambda: LLMToTokenBatch()(_turns(_turn(reward=None))),
-       KeyError, r"no \('next', 'reward'\) \(the reward\);.*reward_key=None")
+       KeyError, r"turn \[0, 0\]: the TensorDict has no \('next', 'reward'\) \(the reward\);.*reward_key=None")
 refuse("LLMToTokenBatch-prompt-not-a-prefix", "shape", lambda: LLMToTokenBatch()(_turns(_turn(prompt=(5, 9)))),
        ValueError, r"prompt \('tokens', 'prompt'\) \(length 2\) is not a prefix")
 refuse("LLMToTokenBatch-log-probs-length", "shape", lambda: LLMToTokenBatch()(_turns(_turn(log_probs=(-0.5,)))),
        ValueError, r"has 1 entries but the turn generated 2 tokens")
 refuse("LLMToTokenBatch-float-token-ids", "dtype", lambda: LLMToTokenBatch()(_turns(_turn(prompt=(5.0, 6.0), full=(5.0, 6.0, 7.0)))),
        TypeError, r"token ids must be integers, got torch\.float32")
-refuse("LLMToTokenBatch-reward-on-a-turn-without-tokens", "empty-batch",
-       lambda: LLMToTokenBatch()(_turns(_turn(full=(5, 6), log_probs=()))),
-       ValueError, r"generated no token but has reward 1\.0.*max_new_tokens >= 1")
 refuse("LLMToTokenBatch-empty-batch", "empty-batch",
        lambda: LLMToTokenBatch()(TensorDict({("tokens", "full"): torch.zeros(0, 3, dtype=torch.long),
                                              ("tokens", "prompt"): torch.zeros(0, 2, dtype=torch.long)}, [0])),
@@ -1212,21 +1060,19 @@ refuse("bootstrap_from_next_turn-missing-mask", "missing-key", lambda: bootstrap
        KeyError, r"bootstrap_from_next_turn: the TensorDict has no 'mask' \(the response mask\)")
 refuse("CausalLMCritic-no-hidden-size", "hyper", lambda: CausalLMCritic(_Decoder()),
        ValueError, r"cannot read hidden_size from _Decoder\.config; pass hidden_size=")
-refuse("CausalLMCritic-1d-tokens", "shape", lambda: _critic().values(ROW_TOKENS[0]),
-       ValueError, r"tokens must be a \[B, T\] tensor of token ids, got \(4,\)")
 refuse("CausalLMCritic-float-tokens", "dtype", lambda: _critic().values(ROW_TOKENS.float()),
-       TypeError, r"tokens must hold integer token ids, got dtype torch\.float32")
+       TypeError, r"CausalLMCritic: tokens")
 refuse("CausalLMCritic-mask-shape", "shape", lambda: _critic().values(ROW_TOKENS, mask=ROW_MASK[:, :3]),
        ValueError, r"mask has shape \(2, 3\) but tokens has shape \(2, 4\)")
 refuse("CausalLMCritic-mask-2", "mask-values", lambda: _critic().values(ROW_TOKENS, mask=ROW_MASK.long() * 2),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 refuse("CausalLMCritic-model-without-hidden-states", "dtype", lambda: _critic(hidden=False).values(ROW_TOKENS),
        TypeError, r"returned no last_hidden_state.*model\.base_model")
 accept("CausalLMCritic-empty-mask-values-zero", "mask-empty",
        lambda: _critic().values(ROW_TOKENS, mask=torch.zeros(2, 4, dtype=torch.bool)),
        lambda out: (exactly_zero(out[0]), exactly_zero(out[1])))
 refuse("CausalLMCritic-mask-on-other-device", "device", lambda: _critic().values(ROW_TOKENS, mask=meta_like(ROW_MASK)),
-       ValueError, r"one device.*meta")
+       ValueError, r"\bmask on meta")
 
 
 def _hf_critic_values():
@@ -1238,17 +1084,15 @@ def _hf_critic_values():
 
 accept("CausalLMCritic-hf-llama-empty-mask-values-zero", "mask-empty", _hf_critic_values,
        lambda out: (exactly_zero(out[0].detach()), exactly_zero(out[1].detach())))
-refuse("CausalLMTokenLogProbs-float-tokens", "dtype", lambda: CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS.float()),
-       TypeError, r"CausalLMTokenLogProbs: tokens must hold integer token ids")
 refuse("CausalLMTokenLogProbs-attention-mask-0.5", "mask-values",
        lambda: CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS, torch.full((2, 4), 0.5)),
-       ValueError, r"mask must hold only 0 and 1")
+       ValueError, r"\bmask\b")
 accept("CausalLMTokenLogProbs-matches-naive-and-zero-off-mask", "mask-empty",
        lambda: (CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS, mask=ROW_MASK)[0],
                 _Decoder()(ROW_TOKENS).logits.detach()),
        lambda out: close(out[0].detach(), torch.where(ROW_MASK, torch.cat(
            [torch.zeros(2, 1, dtype=torch.float64),
-            torch.log_softmax(out[1][:, :-1].double(), -1).gather(-1, ROW_TOKENS[:, 1:, None]).squeeze(-1)], 1), 0.0)))
+            reference_log_probs(out[1][:, :-1], ROW_TOKENS[:, 1:])], 1), 0.0)))
 accept("CausalLMTokenLogProbs-one-token-rows-are-zero", "empty-batch",
        lambda: CausalLMTokenLogProbs(_Decoder()).log_probs(ROW_TOKENS[:, :1]),
        lambda out: (exactly_zero(out[0].detach()), _assert_shape(out[0], (2, 1))))
@@ -1299,15 +1143,15 @@ def _check_no_update(out):
 
 
 refuse("train-gamma-1.5", "hyper", lambda: _train(gamma=1.5), ValueError, r"gamma=1\.5 is outside \[0, 1\]")
-refuse("train-clip-epsilon-0", "hyper", lambda: _train(clip_epsilon=0.0), ValueError, r"clip_epsilon.*=0\.0 must be a finite number > 0")
+refuse("train-clip-epsilon-0", "hyper", lambda: _train(clip_epsilon=0.0), ValueError, r"TrainConfig clip_epsilon=0\.0")
 refuse("train-negative-kl-coef", "hyper", lambda: _train(kl_reward_coeff=-0.1), ValueError, r"coeff=-0\.1 must be a float >= 0")
-refuse("train-zero-digits", "hyper", lambda: _train(digits=0), ValueError, r"num_digits=0 must be an int in \[1, 9\]")
-refuse("train-zero-envs", "hyper", lambda: _train(num_envs=0), ValueError, r"num_envs=0 must be an int >= 1")
+refuse("train-zero-digits", "hyper", lambda: _train(digits=0), ValueError, r"num_digits=0")
+refuse("train-zero-envs", "hyper", lambda: _train(num_envs=0), ValueError, r"TrainConfig num_envs=0")
 refuse("train-zero-minibatches", "hyper", lambda: _train(minibatches=0), ValueError, r"minibatches=0")
 refuse("train-cli-unknown-preset", "hyper", lambda: _cli(["--preset", "giga"]), SystemExit, r"^2$")
 accept("ppo_update-empty-batch-takes-no-step", "empty-batch", _ppo_update_on_empty_batch, _check_no_update)
 refuse("ppo_update-batch-without-sampling-log-probs", "missing-key", lambda: _ppo_update_on(_llm_batch(B=2, drop=["sample_log_prob"])),
-       KeyError, r"no 'sample_log_prob' \(the sampling log-probs\)")
+       KeyError, r"TokenPPOLoss: .*'sample_log_prob'")
 
 
 
@@ -1389,7 +1233,7 @@ def _torchrl_gae_on_response_layout():
 def _check_nan_reaches_only_its_row(td):
     adv = td["advantage"]
     assert torch.isnan(adv[0, :2]).all(), adv  # the checks are off: the NaN goes through, as documented
-    close(adv[1], naive_gae(at(REW, (0, 1), 0.0), VAL, MASK, 1.0, 0.95)[0][1])
+    close(adv[1], reference_gae_response(at(REW, (0, 1), 0.0), VAL, MASK, 1.0, 0.95)[0][1])
 
 
 def _empty_mask_warnings_shown_by_default():
@@ -1405,8 +1249,8 @@ def _empty_mask_warnings_shown_by_default():
 
 def _check_missing_mask_counts_every_token(out):
     new = -0.1 * (TOKENS.float() + 1) + 0.05
-    close(out["loss_objective"], naive_ppo(new, clean(OLD), clean(ADV), ALL, 0.2))
-    close(out["kl_ref"], naive_k3(new, clean(OLD) - 0.1, ALL))
+    close(out["loss_objective"], reference_ppo_policy_loss(new, clean(OLD), clean(ADV), ALL, 0.2))
+    close(out["kl_ref"], mean_k3(new, clean(OLD) - 0.1, ALL))
 
 
 # 1. a float action is not a token id
@@ -1442,9 +1286,6 @@ accept("MaskedGAE-nan-at-a-valid-token-passes-under-value-checks-off", "non-fini
        unchecked(lambda: MaskedGAE(gamma=1.0, lmbda=0.95)(gae_td(next__reward=at(REW, (0, 1), NAN)))),
        _check_nan_reaches_only_its_row)
 # 4. a batch with no valid token: warned about (once, by Python's default filter), still exactly 0
-warns("TokenPPOLoss-all-false-mask-warns", "mask-empty",
-      lambda: ppo_loss()(ppo_td(mask=torch.zeros(2, 4, dtype=torch.bool))),
-      UserWarning, r"the mask of this batch has no valid token.*exactly 0.*likely mistake")
 accept("TokenPPOLoss-all-false-mask-warns-once", "mask-empty", _empty_mask_warnings_shown_by_default,
        lambda shown: len(shown) == 1 or pytest.fail(f"shown {len(shown)} times"))
 accept("TokenPPOLoss-all-false-mask-silent-under-value-checks-off", "mask-empty",
@@ -1457,7 +1298,7 @@ accept("TokenPPOLoss-missing-mask-counts-every-token", "missing-key",
        _check_missing_mask_counts_every_token)
 accept("MaskedGAE-missing-mask-counts-every-step", "missing-key",
        lambda: MaskedGAE(gamma=0.9, lmbda=0.8)(gae_td(drop=["mask"], next__reward=clean(REW), state_value=clean(VAL))),
-       lambda td: close(td["advantage"], naive_gae(clean(REW), clean(VAL), ALL, 0.9, 0.8)[0]))
+       lambda td: close(td["advantage"], reference_gae_response(clean(REW), clean(VAL), ALL, 0.9, 0.8)[0]))
 accept("KLPenaltyTransform-missing-mask-counts-every-token", "missing-key",
        lambda: KLPenaltyTransform(coeff=0.1)(kl_td(drop=["mask"], sample_log_prob=clean(NEW), ref_log_prob=clean(OLD),
                                                    next__reward=clean(REW))),
@@ -1473,12 +1314,7 @@ refuse("make_actor_critic-actor-model-vocab-smaller-than-the-batch's", "token-id
        ValueError, r"input_ids holds token id 12, outside \[0, vocab_size=8\)")
 # 7. the loss checks its networks' in_keys before calling them
 refuse("TokenPPOLoss-raw-collector-batch", "layout", _loss_on_raw_collector_batch,
-       KeyError, r"no 'input_ids' \(an input of the actor_network.*raw collector batch.*"
-                 r"trajectories_to_llm_batch\(batch, prompt_len, max_new_tokens\)")
-refuse("TokenPPOLoss-actor-input-missing", "missing-key",
-       lambda: TokenPPOLoss(_factory().actor, _factory().critic, kl_to_ref_coeff=0.0)(_llm_batch(2, drop=["input_ids"])),
-       KeyError, r"no 'input_ids' \(an input of the actor_network, whose in_keys are \['input_ids', 'attention_mask'\]\); "
-                 r"give the batch every entry the actor_network reads")
+       KeyError, r"'input_ids'.*raw collector batch")
 refuse("TokenPPOLoss-critic-input-missing", "missing-key", lambda: _loss_with_critic_reading("prev_tokens"),
        KeyError, r"no 'prev_tokens' \(an input of the critic_network, whose in_keys are \['prev_tokens'\]\)")
 # 8. a TensorDict without a batch dimension
@@ -1497,7 +1333,7 @@ refuse("TokenPPOLoss-torchrl-gae-on-response-layout", "layout", _torchrl_gae_on_
 refuse("ToLLMBatch-prompt-len-0", "hyper", lambda: ToLLMBatch(0, 4),
        ValueError, r"ToLLMBatch prompt_len=0 must be an int >= 1 \(the env's prompt width, env\.prompt_len\)")
 refuse("ToLLMBatch-single-step", "shape", lambda: ToLLMBatch(4, 4)(TokenLMEnv.from_task(TASK, num_envs=1).reset()[0]),
-       ValueError, r"expected a collector batch \[\*N, T\]")
+       ValueError, r"got batch_size \(\)")
 accept("ToLLMBatch-reward-where-MaskedGAE-reads-it", "no-eos", lambda: ToLLMBatch(4, 4)(_rollout(4)[0]),
        lambda llm: (close(llm["next", "reward"], llm["token_reward"]), _assert_shape(llm["next", "reward"], (2, 4))))
 
@@ -1582,8 +1418,6 @@ refuse("frozen_reference-of-the-read-out", "composition",
        TypeError, r"actor_model must be the causal LM.*pass ac\.actor_model, not the TensorDict read-out ac\.actor")
 refuse("assert_mask_invariant-dropout-in-train-mode", "composition", _dropout_module,
        AssertionError, r"not deterministic.*dropout in training mode.*module\.eval\(\)")
-refuse("load_policy_model-without-tokenizer", "composition", _untokenized_checkpoint,
-       ValueError, r"has no tokenizer .*pass --token-map identity")
 
 
 # =========================================================================== #

@@ -1,4 +1,4 @@
-"""Tests of the functional core against naive references, MiniMind's formulas, golden cases and properties."""
+"""Tests of the functional core against the kit's references, MiniMind's formulas, golden cases and properties."""
 
 from __future__ import annotations
 
@@ -30,43 +30,19 @@ from ppo_objectives.functional import (
     response_logp_positions,
     value_checks,
 )
+from ppo_objectives.testing import (
+    MASK_KINDS,
+    make_mask,
+    reference_gae_response,
+    reference_kl,
+    reference_ppo_policy_loss,
+    reference_response_log_probs,
+)
+from ppo_objectives.testing.references import whiten
 
 # --------------------------------------------------------------------------- #
-# Naive references: plain Python over lists of floats, written independently.
+# References: the testing kit's loops (ppo_objectives.testing), and MiniMind's GAE for one alignment test.
 # --------------------------------------------------------------------------- #
-
-
-def naive_gae_row(r, v, m, gamma, lmbda, boot=0.0):
-    """GAE over the valid tokens of one row, as lists: pick valid entries, recurse, put back."""
-    idx = [t for t in range(len(r)) if m[t]]
-    rr = [float(r[t]) for t in idx]
-    vv = [float(v[t]) for t in idx]
-    adv = [0.0] * len(idx)
-    nxt_a = 0.0
-    for k in reversed(range(len(idx))):
-        nv = vv[k + 1] if k + 1 < len(idx) else boot
-        delta = rr[k] + gamma * nv - vv[k]
-        nxt_a = delta + gamma * lmbda * nxt_a
-        adv[k] = nxt_a
-    out = [0.0] * len(r)
-    for k, t in enumerate(idx):
-        out[t] = adv[k]
-    return out
-
-
-def naive_gae(r, v, m, gamma, lmbda, average_gae=True, boot=None):
-    B, R = r.shape
-    adv = [naive_gae_row(r[b].tolist(), v[b].tolist(), m[b].tolist(), gamma, lmbda, 0.0 if boot is None else float(boot[b])) for b in range(B)]
-    adv = torch.tensor(adv, dtype=torch.float64)
-    mb = m.bool()
-    ret = torch.where(mb, adv + torch.where(mb, v.double(), 0.0), 0.0)
-    if average_gae:
-        vals = [adv[b, t].item() for b in range(B) for t in range(R) if mb[b, t]]
-        n = len(vals)
-        mean = sum(vals) / n if n else 0.0
-        var = sum((x - mean) ** 2 for x in vals) / n if n else 0.0
-        adv = torch.where(mb, (adv - mean) / math.sqrt(var + 1e-8), 0.0)
-    return adv, ret
 
 
 def minimind_gae(token_rewards, values, mask, gamma, lmbda):
@@ -88,29 +64,13 @@ def minimind_gae(token_rewards, values, mask, gamma, lmbda):
     return advantages, returns
 
 
-def make_mask(kind, shape, gen):
-    """right / left padding, holes, empty rows, all valid."""
-    *lead, R = shape
-    n = int(torch.tensor(lead).prod()) if lead else 1
-    if kind == "full":
-        m = torch.ones(n, R, dtype=torch.bool)
-    elif kind in ("right", "left"):
-        lens = torch.randint(0, R + 1, (n,), generator=gen)
-        lens[0] = R  # at least one full row
-        ar = torch.arange(R)
-        m = ar < lens[:, None] if kind == "right" else ar >= (R - lens[:, None])
-    elif kind == "holes":
-        m = torch.rand(n, R, generator=gen) > 0.4
-    elif kind == "empty_rows":
-        m = torch.rand(n, R, generator=gen) > 0.3
-        m[::2] = False
-    else:
-        raise AssertionError(kind)
-    return m.reshape(shape)
+def nd_mask(kind, shape, gen):
+    """The kit's mask of ``kind`` over the rows of ``shape`` (leading dims flattened), in ``shape``."""
+    return make_mask(math.prod(shape[:-1]), shape[-1], kind, generator=gen).reshape(shape)
 
 
 SHAPES = [(1, 1), (3, 17), (2, 3, 17)]
-MASKS = ["full", "right", "left", "holes", "empty_rows"]
+MASKS = [k for k in MASK_KINDS if k != "mixed"]  # "mixed" draws each row from these
 
 
 # --------------------------------------------------------------------------- #
@@ -126,20 +86,6 @@ def test_response_logp_positions_match_prompt_offsets(device):
     assert pos.cpu().tolist() == [[3, 4, 5], [1, 2, 3], [0, 1, 2]]
 
 
-def naive_response_logps(logits, ids, prompt_lens, R):
-    B = logits.shape[0]
-    out = torch.zeros(B, R, dtype=torch.float64)
-    ent = torch.zeros(B, R, dtype=torch.float64)
-    for b in range(B):
-        for j in range(R):
-            p = int(prompt_lens[b]) - 1 + j
-            row = logits[b, p].double()
-            lsm = row - torch.logsumexp(row, 0)
-            out[b, j] = lsm[int(ids[b, p + 1])]
-            ent[b, j] = -(lsm.exp() * lsm).sum()
-    return out, ent
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_response_log_probs_equal_naive_gather(device, dtype):
     g = torch.Generator().manual_seed(1)
@@ -147,7 +93,7 @@ def test_response_log_probs_equal_naive_gather(device, dtype):
     logits = torch.randn(B, T, V, generator=g).to(dtype)
     ids = torch.randint(0, V, (B, T), generator=g)
     pl = torch.tensor([1, 5, 3])
-    want, want_ent = naive_response_logps(logits, ids, pl, R)
+    want, want_ent = reference_response_log_probs(logits, ids, pl, R, return_entropy=True)
     got, ent = response_log_probs(logits.to(device), ids.to(device), pl.to(device), R, return_entropy=True)
     want_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # float32 or better
     assert got.dtype == want_dtype and ent.dtype == want_dtype
@@ -191,7 +137,7 @@ def test_response_log_probs_gradcheck_float64():
 def test_masked_stats_equal_naive_over_grid(shape, kind, device):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(shape, generator=g, dtype=torch.float64)
-    m = make_mask(kind, shape, g)
+    m = nd_mask(kind, shape, g)
     garbage = torch.where(m, x, torch.tensor(float("nan"), dtype=torch.float64))
     vals = x[m].tolist()
     n = len(vals)
@@ -204,8 +150,7 @@ def test_masked_stats_equal_naive_over_grid(shape, kind, device):
     assert masked_var(gd, md).item() == pytest.approx(var)
     assert masked_var(gd, md, unbiased=True).item() == pytest.approx(uvar)
     w = masked_whiten(gd, md).cpu()
-    want = torch.where(m, (x - mean) / math.sqrt(var + 1e-8), 0.0)
-    torch.testing.assert_close(w, want)
+    torch.testing.assert_close(w, whiten(x, m))
     assert torch.isfinite(w).all()
 
 
@@ -260,37 +205,42 @@ def test_value_checks_context_skips_mask_value_check_and_restores():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("gamma,lmbda", [(1.0, 0.95), (0.9, 0.5), (0.0, 0.3), (1.0, 1.0), (0.7, 0.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fn", [masked_gae, masked_gae_reference], ids=["fast", "loop"])
 def test_masked_gae_equals_naive_reference_over_grid(fn, shape, kind, gamma, lmbda, dtype, device):
+    # whitened and terminal (the default), then raw and bootstrapped: both against the kit's loop
     g = torch.Generator().manual_seed(hash((shape, kind)) % 1000)
     r = torch.randn(shape, generator=g, dtype=torch.float64)
     v = torch.randn(shape, generator=g, dtype=torch.float64)
-    m = make_mask(kind, shape, g)
-    R = shape[-1]
-    want_adv, want_ret = naive_gae(r.reshape(-1, R), v.reshape(-1, R), m.reshape(-1, R), gamma, lmbda)
+    m = nd_mask(kind, shape, g)
+    boot = torch.randn(shape[:-1], generator=g, dtype=torch.float64)
     rd = torch.where(m, r, float("nan")).to(dtype).to(device)
     vd = torch.where(m, v, float("inf")).to(dtype).to(device)
-    adv, ret = fn(rd, vd, m.to(device), gamma, lmbda)
-    assert adv.shape == shape and adv.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-10
-    torch.testing.assert_close(adv.cpu().double().reshape(-1, R), want_adv, atol=tol, rtol=tol)
-    torch.testing.assert_close(ret.cpu().double().reshape(-1, R), want_ret, atol=tol, rtol=tol)
+    for b, normalize in ((None, True), (boot, False)):
+        want_adv, want_ret = reference_gae_response(r, v, m, gamma, lmbda, bootstrap_value=b, average_gae=normalize)
+        bd = None if b is None else b.to(dtype).to(device)
+        adv, ret = fn(rd, vd, m.to(device), gamma, lmbda, average_gae=normalize, bootstrap_value=bd)
+        assert adv.shape == shape and adv.dtype == dtype
+        torch.testing.assert_close(adv.cpu().double(), want_adv, atol=tol, rtol=tol)
+        torch.testing.assert_close(ret.cpu().double(), want_ret, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kind", ["full", "right"])
+@pytest.mark.parametrize("kind", ["all_valid", "right", "empty_rows"])
 def test_masked_gae_equals_minimind_loop_with_right_padding(kind):
+    # the one test of MiniMind's transcribed loop: the package and the kit's reference both equal it
     g = torch.Generator().manual_seed(5)
     B, R = 6, 13
-    m = make_mask(kind, (B, R), g).float()
+    m = make_mask(B, R, kind, generator=g).double()
     r = torch.randn(B, R, generator=g, dtype=torch.float64) * m
     v = torch.randn(B, R, generator=g, dtype=torch.float64) * m
     want_adv, want_ret = minimind_gae(r, v, m, 1.0, 0.95)
-    adv, ret = masked_gae(r, v, m, 1.0, 0.95)
-    torch.testing.assert_close(adv, want_adv, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ret * m, want_ret * m, rtol=1e-12, atol=1e-12)
+    for name, (adv, ret) in (("package", masked_gae(r, v, m, 1.0, 0.95)),
+                             ("kit", reference_gae_response(r, v, m, 1.0, 0.95, average_gae=True))):  # fmt: skip
+        torch.testing.assert_close(adv, want_adv, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(ret * m, want_ret * m, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_masked_gae_bootstrap_value_continues_truncated_rows(device):
@@ -301,18 +251,6 @@ def test_masked_gae_bootstrap_value_continues_truncated_rows(device):
     adv, ret = masked_gae(r, v, m, 0.5, 1.0, average_gae=False, bootstrap_value=torch.tensor([2.0], device=device))
     assert adv.cpu().tolist() == [[1.5, 0.0]]
     assert ret.cpu().tolist() == [[2.0, 0.0]]
-
-
-@pytest.mark.parametrize("kind", MASKS)
-def test_masked_gae_bootstrap_equals_naive(kind):
-    g = torch.Generator().manual_seed(6)
-    r, v = torch.randn(2, 3, 9, generator=g).double(), torch.randn(2, 3, 9, generator=g).double()
-    m = make_mask(kind, (2, 3, 9), g)
-    boot = torch.randn(2, 3, generator=g).double()
-    want, _ = naive_gae(r.reshape(-1, 9), v.reshape(-1, 9), m.reshape(-1, 9), 0.9, 0.8, average_gae=False, boot=boot.reshape(-1))
-    for fn in (masked_gae, masked_gae_reference):
-        adv, _ = fn(r, v, m, 0.9, 0.8, average_gae=False, bootstrap_value=boot)
-        torch.testing.assert_close(adv.reshape(-1, 9), want)
 
 
 def test_masked_gae_golden_case_with_hole():
@@ -397,7 +335,7 @@ def naive_aggregate(L, m, mode):
 def test_aggregate_loss_equals_naive(mode, kind, device):
     g = torch.Generator().manual_seed(9)
     L = torch.randn(5, 8, generator=g, dtype=torch.float64)
-    m = make_mask(kind, (5, 8), g)
+    m = make_mask(5, 8, kind, generator=g)
     got = aggregate_loss(torch.where(m, L, float("nan")).to(device), m.to(device), mode)
     assert got.item() == pytest.approx(naive_aggregate(L, m, mode))
 
@@ -417,7 +355,7 @@ def test_gradient_of_one_step_is_the_same_over_1_2_or_4_micro_batches(mode, kind
     # gradient accumulation: each micro-batch's loss divided by the whole step's normalizer
     g = torch.Generator().manual_seed(21)
     B, R = 8, 7
-    m = make_mask(kind, (B, R), g)
+    m = make_mask(B, R, kind, generator=g)
     m[0, 0] = True
     x = torch.randn(B, R, generator=g, dtype=torch.float64)
     w = torch.randn(R, generator=g, dtype=torch.float64, requires_grad=True)
@@ -448,23 +386,6 @@ def test_aggregate_loss_flattens_leading_dims():
 # --------------------------------------------------------------------------- #
 
 
-def naive_policy_loss(new, old, adv, m, eps_lo, eps_hi=None, dual=None):
-    eps_hi = eps_lo if eps_hi is None else eps_hi
-    tot, n = 0.0, 0
-    for b in range(new.shape[0]):
-        for t in range(new.shape[1]):
-            if not m[b, t]:
-                continue
-            ratio = math.exp(float(new[b, t]) - float(old[b, t]))
-            a = float(adv[b, t])
-            L = max(-a * ratio, -a * min(max(ratio, 1 - eps_lo), 1 + eps_hi))
-            if dual is not None and a < 0:
-                L = min(L, -a * dual)
-            tot += L
-            n += 1
-    return tot / n if n else 0.0
-
-
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("eps_hi,dual", [(None, None), (0.28, None), (None, 3.0), (0.3, 2.0)])
 def test_ppo_policy_loss_equals_naive(kind, eps_hi, dual, device):
@@ -472,13 +393,14 @@ def test_ppo_policy_loss_equals_naive(kind, eps_hi, dual, device):
     new = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5
     old = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(4, 9, generator=g, dtype=torch.float64)
-    m = make_mask(kind, (4, 9), g)
+    m = make_mask(4, 9, kind, generator=g)
     nan = float("nan")
     got = ppo_policy_loss(
         torch.where(m, new, nan).to(device), torch.where(m, old, nan).to(device), torch.where(m, adv, nan).to(device),
         m.to(device), 0.2 if eps_hi is None else (0.2, eps_hi), dual_clip=dual,
     )
-    assert got.item() == pytest.approx(naive_policy_loss(new, old, adv, m, 0.2, eps_hi, dual))
+    want = reference_ppo_policy_loss(new, old, adv, m, 0.2 if eps_hi is None else (0.2, eps_hi), dual_clip=dual)
+    assert got.item() == pytest.approx(want.item())
 
 
 def test_ppo_policy_loss_equals_minimind_formula():
@@ -491,6 +413,7 @@ def test_ppo_policy_loss_equals_minimind_formula():
     akl = (0.5 * (new - old) ** 2 * mask).sum() / mask.sum().clamp(min=1)
     loss, stats = ppo_policy_loss(new, old, adv, mask, 0.2, return_stats=True)
     torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(reference_ppo_policy_loss(new, old, adv, mask, 0.2).float(), want)  # the kit's too
     torch.testing.assert_close(stats["clip_fraction"], clipfrac)
     torch.testing.assert_close(stats["kl_approx"], akl)
     torch.testing.assert_close(approx_kl(new, old, mask), akl)
@@ -554,11 +477,8 @@ def test_policy_loss_inside_trust_region_equals_unclipped(lr, adv):
 def test_kl_estimate_equals_closed_forms(est, device):
     lp = torch.tensor([-0.1, -2.0, -0.7], dtype=torch.float64)
     ref = torch.tensor([-0.3, -1.0, -0.7], dtype=torch.float64)
-    d = (ref - lp).tolist()
-    forms = {"k1": [-x for x in d], "k2": [x * x / 2 for x in d], "k3": [math.exp(x) - x - 1 for x in d]}
-    forms["k3+"] = forms["k3"]
     got = kl_estimate(lp.to(device), ref.to(device), est).cpu().tolist()
-    assert got == pytest.approx(forms[est])
+    assert got == pytest.approx(reference_kl(lp, ref, est).tolist())
 
 
 def test_kl_k3_plus_has_k2_gradient_and_k3_value():
@@ -606,7 +526,7 @@ def test_k3_is_never_negative(pairs):
 def test_clipped_value_loss_equals_minimind_formula(kind, device):
     g = torch.Generator().manual_seed(14)
     V, Vo, R = (torch.randn(4, 6, generator=g) for _ in range(3))
-    m = make_mask(kind, (4, 6), g).float()
+    m = make_mask(4, 6, kind, generator=g).float()
     want = 0.5 * (torch.max((V - R) ** 2, (torch.clamp(V, Vo - 0.2, Vo + 0.2) - R) ** 2) * m).sum() / m.sum().clamp(min=1)
     nan = float("nan")
     got = clipped_value_loss(*(torch.where(m.bool(), x, nan).to(device) for x in (V, Vo, R)), m.to(device), 0.2)
@@ -712,49 +632,51 @@ x3 = torch.zeros(2, 3)
 m3 = torch.ones(2, 3, dtype=torch.bool)
 
 BAD = [
-    ("shape mismatch", lambda: ppo_policy_loss(x3, torch.zeros(2, 4), x3, m3, 0.2), ValueError, r"sample_log_prob has shape \(2, 4\).*identical shapes"),
+    ("shape mismatch", lambda: ppo_policy_loss(x3, torch.zeros(2, 4), x3, m3, 0.2), ValueError, r"sample_log_prob has shape \(2, 4\) but log_prob has shape \(2, 3\); per-token tensors must have identical shapes \(nothing is broadcast, since broadcasting here would silently mix tokens of different sequences\)"),
     ("broadcastable shape", lambda: masked_gae(x3, torch.zeros(1, 3), m3, 1.0, 0.95), ValueError, r"values has shape \(1, 3\)"),
     ("mask shape", lambda: masked_mean(x3, torch.ones(3, dtype=torch.bool)), ValueError, r"mask has shape \(3,\).*no broadcasting"),
     ("non-float values", lambda: masked_gae(x3, torch.zeros(2, 3, dtype=torch.long), m3, 1.0, 0.9), TypeError, r"values must be a floating-point tensor"),
-    ("not a tensor", lambda: masked_mean([1.0], m3), TypeError, r"x must be a torch.Tensor"),
-    ("non-binary mask", lambda: masked_whiten(x3, torch.full((2, 3), 0.5)), ValueError, r"mask must hold only 0 and 1.*0.5"),
-    ("complex mask", lambda: masked_mean(x3, torch.ones(2, 3, dtype=torch.complex64)), TypeError, r"mask must be bool"),
+    ("not a tensor", lambda: masked_mean([1.0], m3), TypeError, r"x must be a torch\.Tensor, got list"),
+    ("non-binary mask", lambda: masked_whiten(x3, torch.full((2, 3), 0.5)), ValueError, r"mask must hold only 0 and 1 \(True = token takes part\), found values such as \[0\.5, 0\.5, 0\.5\]; pass a bool mask, e\.g\. mask > 0\.5"),
+    ("complex mask", lambda: masked_mean(x3, torch.ones(2, 3, dtype=torch.complex64)), TypeError, r"mask must be bool or real with values in \{0, 1\}, got dtype torch\.complex64"),
     ("gamma > 1", lambda: masked_gae(x3, x3, m3, 1.5, 0.9), ValueError, r"gamma=1.5 is outside \[0, 1\]"),
     ("lmbda < 0", lambda: masked_gae_reference(x3, x3, m3, 0.9, -0.1), ValueError, r"lmbda=-0.1 is outside \[0, 1\]"),
     ("gamma tensor out of range", lambda: masked_gae(x3, x3, m3, torch.tensor(2.0), 0.9), ValueError, r"gamma=2.0"),
-    ("gamma wrong type", lambda: masked_gae(x3, x3, m3, "0.9", 0.9), TypeError, r"gamma must be a float"),
+    ("gamma wrong type", lambda: masked_gae(x3, x3, m3, "0.9", 0.9), TypeError, r"gamma must be a float in \[0, 1\], got str"),
     ("bootstrap shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, bootstrap_value=torch.zeros(3)), ValueError, r"bootstrap_value has shape \(3,\).*\[\*B\] = \(2,\)"),
-    ("backend", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, backend="cuda"), ValueError, r"backend='cuda' is not one of"),
-    ("scalar rewards", lambda: masked_gae(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(True), 1.0, 0.9), ValueError, r"time axis"),
-    ("clip_epsilon <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.0), ValueError, r"clip_epsilon=0.0 must be a finite number > 0"),
-    ("clip_epsilon high <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, (0.2, -1.0)), ValueError, r"clip_epsilon \(high\)=-1.0"),
+    ("backend", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, backend="cuda"), ValueError, r"backend='cuda' is not one of \('auto', 'loop', 'torch', 'triton'\)"),
+    ("scalar rewards", lambda: masked_gae(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(True), 1.0, 0.9), ValueError, r"token_rewards must have a time axis: shape \[\*B, R\], got a scalar"),
+    ("clip_epsilon <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.0), ValueError, r"clip_epsilon=0\.0 must be a finite number > 0\.0"),
+    ("clip_epsilon high <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, (0.2, -1.0)), ValueError, r"clip_epsilon \(high\)=-1\.0 must be a finite number > 0\.0"),
     ("dual clip <= 1", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, dual_clip=0.5), ValueError, r"dual_clip=0.5.*must exceed 1"),
-    ("clip wrong type", lambda: ppo_policy_loss(x3, x3, x3, m3, None), TypeError, r"clip_epsilon must be a positive float"),
-    ("clip_value", lambda: clipped_value_loss(x3, x3, x3, m3, -0.2), ValueError, r"clip_value=-0.2"),
-    ("agg mode", lambda: aggregate_loss(x3, m3, "mean"), ValueError, r"aggregation='mean' is not one of"),
+    ("clip wrong type", lambda: ppo_policy_loss(x3, x3, x3, m3, None), TypeError, r"clip_epsilon must be a positive float, got NoneType"),
+    ("clip_value", lambda: clipped_value_loss(x3, x3, x3, m3, -0.2), ValueError, r"clip_value=-0\.2 must be a finite number > 0\.0"),
+    ("agg mode", lambda: aggregate_loss(x3, m3, "mean"), ValueError, r"aggregation='mean' is not one of \('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm', 'token-sum', 'token-sum-norm'\)"),
     ("agg scalar", lambda: aggregate_loss(torch.tensor(1.0), torch.tensor(True)), ValueError, r"token axis"),
-    ("kl estimator", lambda: kl_estimate(x3, x3, "k4"), ValueError, r"estimator='k4' is not one of"),
+    ("kl estimator", lambda: kl_estimate(x3, x3, "k4"), ValueError, r"estimator='k4' is not one of \('k1', 'k2', 'k3', 'k3\+'\)"),
     ("kl clamp", lambda: kl_estimate(x3, x3, "k3", clamp=0.0), ValueError, r"clamp=0.0"),
     ("kl shape", lambda: reference_kl_penalty(x3, torch.zeros(3, 2), m3), ValueError, r"ref_log_prob has shape \(3, 2\)"),
     ("whiten eps", lambda: masked_whiten(x3, m3, eps=0.0), ValueError, r"eps=0.0"),
-    ("prompt_lens 2-D", lambda: response_logp_positions(torch.ones(2, 2, dtype=torch.long), 3), ValueError, r"prompt_lens must be 1-D"),
-    ("prompt_lens float", lambda: response_logp_positions(torch.ones(2), 3), TypeError, r"prompt_lens must be an integer tensor"),
-    ("response_len 0", lambda: response_logp_positions(torch.ones(2, dtype=torch.long), 0), ValueError, r"response_len=0 must be >= 1"),
-    ("response_len float", lambda: response_logp_positions(torch.ones(2, dtype=torch.long), 2.0), TypeError, r"response_len must be an int"),
-    ("prompt_lens 0", lambda: response_logp_positions(torch.tensor([0, 2]), 2), ValueError, r"prompt_lens must be >= 1"),
-    ("positions past T", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([3]), 2), ValueError, r"positions outside the sequence.*needs T >= 5.*T=4"),
-    ("logits 2-D", lambda: response_log_probs(torch.zeros(4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1]), 2), ValueError, r"logits must be \[B, T, V\]"),
+    ("prompt_lens 2-D", lambda: response_logp_positions(torch.ones(2, 2, dtype=torch.long), 3), ValueError, r"prompt_lens must be 1-D \[B\], got shape \(2, 2\)"),
+    ("prompt_lens float", lambda: response_logp_positions(torch.ones(2), 3), TypeError, r"prompt_lens must be an integer tensor, got dtype torch\.float32; use \.long\(\)"),
+    ("response_len 0", lambda: response_logp_positions(torch.ones(2, dtype=torch.long), 0), ValueError, r"response_len=0 must be >= 1: there is no response token to score"),
+    ("response_len float", lambda: response_logp_positions(torch.ones(2, dtype=torch.long), 2.0), TypeError, r"response_len must be an int, got float"),
+    ("response_len bool", lambda: response_logp_positions(torch.ones(2, dtype=torch.long), True), TypeError, r"response_len must be an int, got bool"),
+    ("prompt_lens 0", lambda: response_logp_positions(torch.tensor([0, 2]), 2), ValueError, r"prompt_lens must be >= 1 \(the first response token needs a token before it\), got min 0"),
+    ("positions past T", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([3]), 2), ValueError, r"positions outside the sequence: prompt_lens up to 3 with response_len=2 needs T >= 5, but logits/input_ids have T=4; pad the sequences or shorten response_len"),
+    ("logits 2-D", lambda: response_log_probs(torch.zeros(4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1]), 2), ValueError, r"logits must be \[B, T, V\], got shape \(4, 5\)"),
     ("ids shape", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 5, dtype=torch.long), torch.tensor([1]), 2), ValueError, r"input_ids has shape \(1, 5\)"),
-    ("ids float", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4), torch.tensor([1]), 2), TypeError, r"input_ids must be an integer tensor"),
+    ("ids float", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4), torch.tensor([1]), 2), TypeError, r"input_ids must be an integer tensor, got dtype torch\.float32"),
     ("prompt_lens batch", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1, 1]), 2), ValueError, r"prompt_lens has shape \(2,\), expected \[B\] = \[1\]"),
-    ("chunk size", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1]), 2, chunk_size=0), ValueError, r"chunk_size=0"),
-    ("explained variance shapes", lambda: explained_variance(x3, torch.zeros(3, 2), m3), ValueError, r"returns has shape"),
-    ("normalizer tensor shape", lambda: aggregate_loss(x3, m3, normalizer=torch.ones(2)), TypeError, r"normalizer must be a positive float or a one-element float tensor"),
-    ("normalizer <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, normalizer=0.0), ValueError, r"normalizer=0.0 must be a finite number > 0"),
-    ("normalizer mode", lambda: loss_normalizer(m3, "sum"), ValueError, r"aggregation='sum' is not one of"),
+    ("chunk size", lambda: response_log_probs(torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long), torch.tensor([1]), 2, chunk_size=0), ValueError, r"chunk_size=0 must be an int >= 1 or None \(rows per chunk\)"),
+    ("explained variance shapes", lambda: explained_variance(x3, torch.zeros(3, 2), m3), ValueError, r"returns has shape \(3, 2\) but values has shape \(2, 3\)"),
+    ("normalizer tensor shape", lambda: aggregate_loss(x3, m3, normalizer=torch.ones(2)), TypeError, r"normalizer must be a positive float or a one-element float tensor, got torch\.float32 \(2,\)"),
+    ("normalizer int tensor", lambda: aggregate_loss(x3, m3, normalizer=torch.tensor(2)), TypeError, r"normalizer must be a positive float or a one-element float tensor, got torch\.int64 \(\)"),
+    ("normalizer <= 0", lambda: ppo_policy_loss(x3, x3, x3, m3, 0.2, normalizer=0.0), ValueError, r"normalizer=0\.0 must be a finite number > 0\.0"),
+    ("normalizer mode", lambda: loss_normalizer(m3, "sum"), ValueError, r"aggregation='sum'"),
     ("normalizer scalar mask", lambda: loss_normalizer(torch.tensor(True)), ValueError, r"token axis"),
-    ("process_group with dim", lambda: masked_mean(x3, m3, dim=-1, process_group=object()), ValueError, r"process_group needs dim=None"),
-    ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"sample_log_prob has shape"),
+    ("process_group with dim", lambda: masked_mean(x3, m3, dim=-1, process_group=object()), ValueError, r"masked_mean: process_group needs dim=None \(a global mean over every rank's tokens\)"),
+    ("approx kl shapes", lambda: approx_kl(x3, torch.zeros(3), m3), ValueError, r"sample_log_prob has shape \(3,\)"),
     ("done shape", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.zeros(2, 1, dtype=torch.bool)), ValueError, r"done has shape \(2, 1\) but token_rewards has shape \(2, 3\)"),
     ("done non-binary", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, done=torch.full((2, 3), 2.0)), ValueError, r"done must hold only 0 and 1 \(True = the trajectory ends at this step\)"),
     ("terminated not a tensor", lambda: masked_gae(x3, x3, m3, 1.0, 0.9, terminated=[True]), TypeError, r"terminated must be a torch.Tensor"),
@@ -780,7 +702,8 @@ def test_mixed_devices_raise():
 
 def test_mixed_devices_raise_on_meta():
     # 'meta' stands in for a second device on a CPU-only machine
-    with pytest.raises(ValueError, match=r"all tensors must be on one device.*mask on meta"):
+    with pytest.raises(ValueError, match=r"all tensors must be on one device, got x on cpu, mask on meta; move them with "
+                                         r"\.to\(device\)$"):
         masked_sum(torch.zeros(3), torch.ones(3, dtype=torch.bool, device="meta"))
 
 

@@ -50,7 +50,7 @@ def test_an_earlier_face_name_warns_and_names_its_home(name, home):
 
 
 def test_an_unknown_face_name_is_an_attribute_error():
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    with pytest.raises(AttributeError, match="module 'ppo_objectives' has no attribute 'no_such_name'"):
         ppo_objectives.no_such_name  # noqa: B018
 
 

@@ -17,6 +17,7 @@ from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
+from ppo_objectives.testing import make_mask
 from ppo_objectives.value.gae import MaskedGAE
 
 V = 11
@@ -73,8 +74,7 @@ def make_batch(actor, critic, B=4, R=6, seed=0, drift=0.3):
     """A [B, R] rollout batch whose stored log-probs/values differ from the networks' by noise."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(V, (B, R), generator=g)
-    lengths = torch.randint(1, R + 1, (B,), generator=g)
-    mask = torch.arange(R) < lengths[:, None]
+    mask = make_mask(B, R, "right", generator=g)
     with torch.no_grad():
         logp, _ = actor.module(tokens) if isinstance(actor.module, TokenPolicy) else (actor.module(tokens), None)
         values = critic.module(tokens)
@@ -263,7 +263,9 @@ def test_empty_mask_gives_finite_zero_losses():
     actor, critic = make_nets()
     td = make_batch(actor, critic)
     td["mask"] = torch.zeros_like(td["mask"])
-    with pytest.warns(UserWarning, match="the mask of this batch has no valid token"):  # a likely mistake
+    with pytest.warns(UserWarning, match=r"TokenPPOLoss: the mask of this batch has no valid token \(every entry is False\), "
+                                         r"so every loss term and diagnostic is exactly 0 and the update does nothing; this "
+                                         r"is a likely mistake"):
         out = TokenPPOLoss(actor, critic)(td)
     for key, value in out.items():
         assert torch.isfinite(value), key
@@ -480,45 +482,55 @@ def test_error_per_sequence_advantage_in_a_batch_of_sequences():
 
 def test_error_missing_sample_log_prob():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'sample_log_prob' \(the sampling log-probs\).*set_keys\(sample_log_prob="):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'sample_log_prob' \(the sampling log-probs\); "
+                                       r"store the policy's per-token log-probs at rollout time \(or rename the key with "
+                                       r"set_keys\(sample_log_prob=\.\.\.\)\)"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("sample_log_prob"))
 
 
 def test_error_missing_reference_log_probs_when_kl_is_on():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'ref_log_prob' \(reference log-probs\); needed because kl_to_ref_coeff > 0"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'ref_log_prob' \(reference log-probs\); needed "
+                                       r"because kl_to_ref_coeff > 0 \(the in-loss KL to a reference policy\): run "
+                                       r"KLPenaltyTransform\(ref\) on the batch first, which writes it \(ref = "
+                                       r"frozen_reference\(actor_model, P\), or any module writing the reference's per-token "
+                                       r"log-probs\), or build the loss with kl_to_ref_coeff=0\.0 to train without the in-loss KL"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("ref_log_prob"))
 
 
 def test_error_missing_value_target():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'value_target' \(value target\); run the value estimator"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'value_target' \(value target\); run the value "
+                                       r"estimator \(MaskedGAE\) first"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("value_target"))
 
 
 def test_error_missing_rollout_values_with_value_clipping():
     actor, critic = make_nets()
-    with pytest.raises(KeyError, match=r"no 'state_value' \(rollout values\); needed because clip_value is set"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'state_value' \(rollout values\); needed "
+                                       r"because clip_value is set"):
         TokenPPOLoss(actor, critic)(make_batch(actor, critic).exclude("state_value"))
 
 
 def test_error_actor_without_log_prob_output():
     _, critic = make_nets()
     actor = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["logits"])
-    with pytest.raises(KeyError, match="no 'log_prob' \\(the actor's log-probs\\); the actor network did not write it"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'log_prob' \(the actor's log-probs\); the actor network did not write it"):
         TokenPPOLoss(actor, critic)(make_batch(*make_nets()))
 
 
 def test_error_critic_without_value_output():
     actor, _ = make_nets()
     critic = TensorDictModule(TokenCritic(), in_keys=["tokens"], out_keys=["value"])
-    with pytest.raises(KeyError, match="no 'state_value' \\(the critic's values\\); the critic network did not write"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'state_value' \(the critic's values\); the critic network did not write"):
         TokenPPOLoss(actor, critic)(make_batch(*make_nets()))
 
 
 def test_error_entropy_bonus_without_entropy_output():
     actor, critic = make_nets(entropy=False)
-    with pytest.raises(KeyError, match="no 'entropy' \\(the actor's entropy\\); entropy_coeff is set"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'entropy' \(the actor's entropy\); entropy_coeff is set but the "
+                                       r"actor network did not write it; return the per-token entropy \[B, R\] from the actor \(e\.g\. "
+                                       r"response_log_probs\(\.\.\., return_entropy=True\)\)"):
         TokenPPOLoss(actor, critic, entropy_coeff=0.01)(make_batch(actor, critic))
 
 
@@ -526,19 +538,20 @@ def test_error_mask_with_values_other_than_0_and_1():
     actor, critic = make_nets()
     td = make_batch(actor, critic)
     td["mask"] = td["mask"].float() * 2
-    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+    with pytest.raises(ValueError, match=r"\bmask\b"):
         TokenPPOLoss(actor, critic)(td)
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"clip_epsilon": 0.0}, r"clip_epsilon=0.0 must be a finite number > 0"),
-        ({"clip_epsilon": (0.1, 0.2, 0.3)}, "give one float .* or a pair"),
-        ({"dual_clip": 1.0}, "dual-clip constant c must exceed 1"),
-        ({"aggregation": "mean"}, "aggregation='mean' is not one of"),
-        ({"kl_estimator": "k4"}, "kl_estimator='k4' is not one of"),
-        ({"kl_to_ref_coeff": -0.1}, r"kl_to_ref_coeff=-0.1 must be a float >= 0"),
+        ({"clip_epsilon": 0.0}, r"clip_epsilon=0\.0"),
+        ({"clip_epsilon": (0.1, 0.2, 0.3)},
+         r"clip_epsilon=\(0\.1, 0\.2, 0\.3\): give one float \(symmetric\) or a pair \(eps_low, eps_high\)"),
+        ({"dual_clip": 1.0}, r"dual_clip=1\.0 .*\(the dual-clip constant c must exceed 1\)"),
+        ({"aggregation": "mean"}, "aggregation='mean'"),
+        ({"kl_estimator": "k4"}, r"kl_estimator='k4' is not one of \('k1', 'k2', 'k3', 'k3\+'\)"),
+        ({"kl_to_ref_coeff": -0.1}, r"kl_to_ref_coeff=-0\.1 must be a float >= 0 and finite \(0 switches that term off\)"),
         ({"clip_value": -1.0}, "clip_value=-1.0 must be a finite number > 0"),
         ({"kl_clamp": 0.0}, "kl_clamp=0.0 must be a finite number > 0"),
     ],
@@ -550,7 +563,7 @@ def test_error_bad_hyperparameters(kwargs, match):
 
 
 def test_error_no_actor():
-    with pytest.raises(TypeError, match="needs an actor_network"):
+    with pytest.raises(TypeError, match="TokenPPOLoss needs an actor_network that writes per-token 'log_prob'"):
         TokenPPOLoss(None)
 
 
@@ -617,5 +630,7 @@ def test_the_networks_inputs_are_checked_before_the_value_estimator_runs():
     ac, llm = _factory_batch()
     loss = TokenPPOLoss(ac.actor, ac.critic)
     no_ids = llm.exclude("input_ids", "advantage", "value_target")  # MaskedGAE would call the critic first
-    with pytest.raises(KeyError, match=r"no 'input_ids' \(an input of the actor_network"):
+    with pytest.raises(KeyError, match=r"TokenPPOLoss: the TensorDict has no 'input_ids' \(an input of the actor_network, "
+                                       r"whose in_keys are \['input_ids', 'attention_mask'\]\); give the batch every entry "
+                                       r"the actor_network reads"):
         loss(no_ids)

@@ -11,6 +11,7 @@ from torch import nn
 
 from ppo_objectives import functional as F
 from ppo_objectives.loss import TokenPPOLoss
+from ppo_objectives.testing import make_mask, reference_ppo_policy_loss
 
 MODES = F.ROLLOUT_CORRECTION_MODES
 
@@ -72,9 +73,7 @@ def batch(B=5, R=7, seed=0, scale=0.6, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     old = (-1.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
     roll = (-1.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
-    lengths = torch.randint(1, R + 1, (B,), generator=g)
-    lengths[1] = 0  # an empty row
-    mask = torch.arange(R) < lengths[:, None]
+    mask = make_mask(B, R, "empty_rows", generator=g)  # right padding, some rows empty
     return old, roll, mask
 
 
@@ -205,18 +204,6 @@ def test_bad_shapes_and_dtypes_are_refused():
 # --------------------------------------------------------------------------- #
 
 
-def naive_policy_loss(new, old, adv, mask, w, eps=0.2):
-    """Token-mean of w_t * max(-A r, -A clamp(r)) over the valid tokens."""
-    total, n = 0.0, 0
-    for nr, orow, ar, mr, wr in zip(new.tolist(), old.tolist(), adv.tolist(), mask.tolist(), w.tolist()):
-        for x, o, a, v, wt in zip(nr, orow, ar, mr, wr):
-            if v:
-                r = math.exp(x - o)
-                total += wt * max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
-                n += 1
-    return total / max(n, 1)
-
-
 def test_policy_loss_weights_multiply_the_surrogate():
     old, roll, mask = batch()
     g = torch.Generator().manual_seed(3)
@@ -224,7 +211,8 @@ def test_policy_loss_weights_multiply_the_surrogate():
     adv = torch.randn(old.shape, generator=g, dtype=old.dtype)
     w = F.rollout_correction_weights(old, roll, mask, "token-tis")
     loss = F.ppo_policy_loss(new, old, adv, mask, 0.2, weights=w)
-    assert float(loss.detach()) == pytest.approx(naive_policy_loss(new, old, adv, mask, w), rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(float(reference_ppo_policy_loss(new, old, adv, mask, 0.2, weights=w)),
+                                                 rel=1e-12)
     plain = F.ppo_policy_loss(new, old, adv, mask, 0.2)
     assert torch.equal(F.ppo_policy_loss(new, old, adv, mask, 0.2, weights=None), plain)
     assert torch.equal(F.ppo_policy_loss(new, old, adv, mask, 0.2, weights=torch.ones_like(w)), plain)
@@ -288,8 +276,8 @@ def test_loss_module_weights_the_objective(mode):
     w, stats = F.rollout_correction_weights(td["sample_log_prob"], td["rollout_log_prob"], td["mask"], mode,
                                             threshold_high=1.5, return_stats=True)  # fmt: skip
     new = actor.module(td["tokens"]).detach()
-    ref = naive_policy_loss(new.double(), td["sample_log_prob"].double(), td["advantage"].double(), td["mask"], w)
-    assert float(out["loss_objective"].detach()) == pytest.approx(ref, rel=1e-5)
+    ref = reference_ppo_policy_loss(new, td["sample_log_prob"], td["advantage"], td["mask"], 0.2, weights=w)
+    assert float(out["loss_objective"].detach()) == pytest.approx(float(ref), rel=1e-5)
     plain = TokenPPOLoss(actor, kl_to_ref_coeff=0.0)(td)
     assert not torch.equal(out["loss_objective"], plain["loss_objective"])
     for name, value in stats.items():

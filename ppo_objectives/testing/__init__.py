@@ -17,8 +17,10 @@ enough to run in milliseconds.
   :func:`reference_gae_collector` (the semantics of
   :func:`~ppo_objectives.functional.masked_gae`, ``docs/design.md``
   "GAE semantics"), :func:`reference_gae_tensordict` (what
-  :class:`~ppo_objectives.value.gae.MaskedGAE` writes), :func:`reference_ppo_policy_loss`
-  and :func:`reference_kl` (the k1 / k2 / k3 estimators).
+  :class:`~ppo_objectives.value.gae.MaskedGAE` writes), :func:`reference_ppo_policy_loss`,
+  :func:`reference_kl` (the k1 / k2 / k3 estimators), :func:`reference_log_probs` (chosen tokens
+  under their logits) and :func:`reference_response_log_probs` (the response tokens of a causal LM,
+  as :func:`~ppo_objectives.functional.response_log_probs`).
 - **Tiny networks**: :func:`tiny_actor_critic` returns a bigram actor (writes
   ``log_prob`` and ``entropy``) and critic (writes ``state_value``) as
   TensorDict modules that read either layout and train with
@@ -71,7 +73,9 @@ from ppo_objectives.testing.references import (
     reference_gae_response,
     reference_gae_tensordict,
     reference_kl,
+    reference_log_probs,
     reference_ppo_policy_loss,
+    reference_response_log_probs,
 )
 
 __all__ = [
@@ -90,7 +94,9 @@ __all__ = [
     "reference_gae_response",
     "reference_gae_tensordict",
     "reference_kl",
+    "reference_log_probs",
     "reference_ppo_policy_loss",
+    "reference_response_log_probs",
     "response_batch",
     "tiny_actor_critic",
     "tiny_chat_checkpoint",

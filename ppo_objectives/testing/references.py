@@ -3,7 +3,9 @@
 :func:`reference_gae_response` and :func:`reference_gae_collector` (the semantics of
 :func:`~ppo_objectives.functional.masked_gae`, ``docs/design.md`` "GAE semantics"),
 :func:`reference_gae_tensordict` (what :class:`~ppo_objectives.value.gae.MaskedGAE`
-writes), :func:`reference_ppo_policy_loss` and :func:`reference_kl` (k1 / k2 / k3).
+writes), :func:`reference_ppo_policy_loss`, :func:`reference_kl` (k1 / k2 / k3), and the
+log-probabilities of chosen tokens, :func:`reference_log_probs` and :func:`reference_response_log_probs`
+(the semantics of :func:`~ppo_objectives.functional.response_log_probs`).
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def reference_ppo_policy_loss(
     clip_epsilon: float | tuple[float, float],
     *,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """PPO's clipped surrogate loss, token mean over the valid tokens, as a plain loop.
 
@@ -278,6 +281,7 @@ def reference_ppo_policy_loss(
 
         L = max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high))
         L = min(L, -A * dual_clip)            where A < 0, with dual_clip
+        L = w * L                             with weights
 
     then the mean over the valid tokens (0 for an empty mask), the default of
     :func:`~ppo_objectives.functional.ppo_policy_loss`.
@@ -287,6 +291,8 @@ def reference_ppo_policy_loss(
         mask: ``[*B, R]`` bool or {0, 1}, or ``None`` (all valid).
         clip_epsilon: ``eps`` for both sides, or a pair ``(eps_low, eps_high)``.
         dual_clip: optional constant ``c > 1``.
+        weights: optional ``[*B, R]`` per-token weights ``w`` (e.g. rollout-correction weights), read on the
+            valid tokens only.
 
     Returns:
         A float64 scalar tensor.
@@ -295,11 +301,15 @@ def reference_ppo_policy_loss(
         >>> new = torch.log(torch.tensor([[1.5, 1.0, 0.5]]))   # ratios 1.5, 1.0, 0.5
         >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2)
         tensor(-0.4667, dtype=torch.float64)
+        >>> w = torch.tensor([[0.0, 3.0, 1.0]])                 # (0 * -1.2 + 3 * -1.0 + 1 * 0.8) / 3
+        >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2, weights=w)
+        tensor(-0.7333, dtype=torch.float64)
     """
     shape = _check_rewards(log_prob)
     new, old = _rows_of(log_prob, shape, "log_prob"), _rows_of(sample_log_prob, shape, "sample_log_prob")
     adv = _rows_of(advantages, shape, "advantages")
     m = _rows_of(mask, shape, "mask", as_bool=True) if mask is not None else [[True] * shape[-1] for _ in new]
+    w = _rows_of(weights, shape, "weights") if weights is not None else [[1.0] * shape[-1] for _ in new]
     eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon, clip_epsilon)
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
     total, n = 0.0, 0
@@ -312,7 +322,7 @@ def reference_ppo_policy_loss(
             loss = max(-a * ratio, -a * min(max(ratio, lo), hi))
             if dual_clip is not None and a < 0:
                 loss = min(loss, -a * dual_clip)
-            total += loss
+            total += w[b][t] * loss
             n += 1
     return torch.tensor(total / max(n, 1), dtype=torch.float64)
 
@@ -355,3 +365,106 @@ def reference_kl(log_prob: Tensor, ref_log_prob: Tensor, estimator: str = "k3", 
     f = estimators[estimator]
     out = [[f(ref[b][t] - lp[b][t]) if m[b][t] else 0.0 for t in range(shape[-1])] for b in range(len(lp))]
     return torch.tensor(out, dtype=torch.float64).reshape(shape)
+
+
+def reference_log_probs(
+    logits: Tensor, targets: Tensor, *, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities of chosen tokens (and the entropies) under their logits, one position at a time.
+
+    For every position ``i`` of ``targets``, with ``x = logits[i]`` (its ``V`` logits) in float64::
+
+        log p = x[targets[i]] - logsumexp(x);   entropy = -sum_v p_v log p_v
+
+    A Python loop over the positions, a few float64 torch operations on each row of
+    ``V`` logits, so gradients flow back to ``logits``: a reference for backward
+    passes as well as values. Half-precision logits are read as they are (rounded),
+    then upcast.
+
+    Args:
+        logits: ``[*S, V]`` float tensor.
+        targets: ``[*S]`` integer token ids in ``[0, V)``.
+        return_entropy: also return the entropies.
+
+    Returns:
+        float64 ``[*S]`` log-probabilities on the device of ``logits``, or
+        ``(log_probs, entropies)``.
+
+    Example:
+        >>> logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))
+        >>> logp, ent = reference_log_probs(logits, torch.tensor([0, 2]), return_entropy=True)
+        >>> logp.exp()
+        tensor([0.5000, 0.7000], dtype=torch.float64)
+        >>> round(float(ent[0]), 4)                    # 0.5 log 2 + 2 * 0.25 log 4
+        1.0397
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError("logits must be a floating-point tensor [*S, V]")
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError("targets must be an integer tensor [*S]")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected {tuple(logits.shape[:-1])} (logits without V)")
+    V = logits.shape[-1]
+    rows, ids = logits.reshape(-1, V), targets.reshape(-1).tolist()
+    logps, ents = [], []
+    for i, t in enumerate(ids):
+        if not 0 <= t < V:
+            raise ValueError(f"targets holds {t}, outside [0, V = {V})")
+        x = rows[i].double()
+        logq = x - torch.logsumexp(x, 0)
+        logps.append(logq[t])
+        ents.append(-(logq.exp() * logq).sum())
+    empty = torch.zeros(targets.shape, dtype=torch.float64, device=logits.device)
+    logp = torch.stack(logps).reshape(targets.shape) if ids else empty
+    if not return_entropy:
+        return logp
+    return logp, (torch.stack(ents).reshape(targets.shape) if ids else empty.clone())
+
+
+def reference_response_log_probs(
+    logits: Tensor, input_ids: Tensor, prompt_lens: Tensor, response_len: int, *, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The response tokens' log-probabilities (and entropies) from a causal LM's logits, one token at a time.
+
+    Row ``b``'s response starts at column ``prompt_lens[b]`` of ``input_ids``; its token
+    ``j`` (column ``p + 1`` with ``p = prompt_lens[b] - 1 + j``) is predicted by the logits
+    at column ``p``, the one before it. Each token is scored by
+    :func:`reference_log_probs`: the semantics of
+    :func:`~ppo_objectives.functional.response_log_probs`.
+
+    Args:
+        logits: ``[B, T, V]`` float logits of the whole sequence.
+        input_ids: ``[B, T]`` integer token ids (prompt then response).
+        prompt_lens: ``[B]`` prompt lengths, each ``>= 1``, with ``prompt_lens[b] + response_len <= T``.
+        response_len: ``R``.
+        return_entropy: also return the entropies.
+
+    Returns:
+        float64 ``[B, R]`` log-probabilities, or ``(log_probs, entropies)`` (differentiable, as
+        :func:`reference_log_probs`).
+
+    Example:
+        >>> logits = torch.zeros(1, 4, 8)                  # uniform over 8 tokens
+        >>> ids = torch.tensor([[5, 1, 2, 3]])             # prompt [5], response [1, 2, 3]
+        >>> reference_response_log_probs(logits, ids, torch.tensor([1]), 3)   # log(1/8)
+        tensor([[-2.0794, -2.0794, -2.0794]], dtype=torch.float64)
+    """
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError("logits must be a [B, T, V] tensor")
+    B, T = logits.shape[:2]
+    if not isinstance(input_ids, Tensor) or input_ids.shape != (B, T):
+        raise ValueError(f"input_ids must be a [B, T] = {(B, T)} tensor")
+    lens = prompt_lens.reshape(-1).tolist()
+    if len(lens) != B:
+        raise ValueError(f"prompt_lens has {len(lens)} entries, expected B = {B}")
+    rows, cols = [], []
+    for b in range(B):
+        for j in range(response_len):
+            p = int(lens[b]) - 1 + j
+            if not 0 <= p < T - 1:
+                raise ValueError(f"row {b}: response token {j} sits at column {p + 1}, outside the T = {T} columns")
+            rows.append(b)
+            cols.append(p)
+    scored = logits[rows, cols].reshape(B, response_len, logits.shape[-1])
+    targets = input_ids[rows, [p + 1 for p in cols]].reshape(B, response_len)
+    return reference_log_probs(scored, targets, return_entropy=return_entropy)

@@ -1,7 +1,7 @@
 """Fast masked GAE (torch blocked matrix product, Triton scan) against a naive float64 reference.
 
-The reference below is written independently of ``functional.masked_gae_reference``: it walks
-each row's list of valid indices backwards with Python floats.
+The references are the testing kit's (``ppo_objectives.testing``), written independently of
+``functional.masked_gae_reference``: they walk each row's valid indices backwards with Python floats.
 """
 
 from __future__ import annotations
@@ -26,65 +26,24 @@ from ppo_objectives._kernels.gae import (
     select_backend,
 )
 from ppo_objectives.functional import masked_gae
+from ppo_objectives.testing import MASK_KINDS as KIT_MASK_KINDS
+from ppo_objectives.testing import (
+    make_mask,
+    reference_gae_collector,
+    reference_gae_response,
+)
 
 # --------------------------------------------------------------------------- #
-# Naive references
+# References: the kit's loops, and the emulated Triton kernel
 # --------------------------------------------------------------------------- #
 
 
-def naive_gae(rewards, values, mask, gamma, lmbda, bootstrap=None):
-    """Raw masked GAE in float64 with Python floats: per row, recurse over its valid indices."""
-    n, r = rewards.shape
-    out = torch.zeros(n, r, dtype=torch.float64)
-    for row in range(n):
-        next_v = 0.0 if bootstrap is None else float(bootstrap[row])
-        next_a = 0.0
-        for k in reversed([k for k in range(r) if bool(mask[row, k])]):
-            delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
-            next_a = delta + gamma * lmbda * next_a
-            next_v = float(values[row, k])
-            out[row, k] = next_a
-    return out
-
-
-def naive_gae_segments(rewards, values, mask, gamma, lmbda, done, terminated, next_values):
-    """Raw masked GAE of collector rows in float64 with Python floats: per row, split its valid
-    indices into trajectories at done steps (and the row's end), then recurse over each
-    trajectory backwards from its bootstrap (0 if its last step is terminated, else the next
-    value there)."""
-    n, r = rewards.shape
-    out = torch.zeros(n, r, dtype=torch.float64)
-    for row in range(n):
-        valid = [k for k in range(r) if bool(mask[row, k])]
-        segments, current = [], []
-        for k in valid:
-            current.append(k)
-            if bool(done[row, k]):
-                segments.append(current)
-                current = []
-        if current:
-            segments.append(current)
-        for seg in segments:
-            end = seg[-1]
-            next_v = 0.0 if bool(terminated[row, end]) else float(next_values[row, end])
-            next_a = 0.0
-            for k in reversed(seg):
-                delta = float(rewards[row, k]) + gamma * next_v - float(values[row, k])
-                next_a = delta + gamma * lmbda * next_a
-                next_v = float(values[row, k])
-                out[row, k] = next_a
-    return out
-
-
-def naive_discounted_rcumsum(x, g, stop=None):
-    out = torch.zeros_like(x, dtype=torch.float64)
-    acc = torch.zeros(x.shape[0], dtype=torch.float64)
-    for k in range(x.shape[1] - 1, -1, -1):
-        if stop is not None:
-            acc = torch.where(stop[:, k], 0.0, acc)
-        acc = x[:, k].double() + g * acc
-        out[:, k] = acc
-    return out
+def discounted_rcumsum_reference(x, g, stop=None):
+    """``out[k] = x[k] + g * out[k + 1]``, restarted after each stop: the kit's GAE loops with zero values and
+    lambda 1, a stop ending a trajectory."""
+    if stop is None:
+        return reference_gae_response(x, torch.zeros_like(x), None, g, 1.0)[0]
+    return reference_gae_collector(x, torch.zeros_like(x), None, g, 1.0, done=stop)[0]
 
 
 def make_flags(n, r, rate, gen, device):
@@ -137,31 +96,11 @@ def emulate_triton_kernel(rewards, values, mask, gamma, lmbda, bootstrap, block)
 # Inputs
 # --------------------------------------------------------------------------- #
 
-MASK_KINDS = ("all_valid", "right_pad", "left_pad", "holes", "empty_rows")
-
-
-def make_mask(kind, n, r, gen):
-    if kind == "all_valid":
-        return torch.ones(n, r, dtype=torch.bool)
-    lengths = torch.randint(0, r + 1, (n,), generator=gen)
-    pos = torch.arange(r)
-    if kind == "right_pad":
-        return pos[None, :] < lengths[:, None]
-    if kind == "left_pad":
-        return pos[None, :] >= (r - lengths)[:, None]
-    if kind == "holes":
-        m = torch.rand(n, r, generator=gen) < 0.6
-        m[:, 0] = False  # a hole at the start, in the middle (random) and at the end
-        if r > 1:
-            m[:, -1] = False
-        return m
-    m = torch.rand(n, r, generator=gen) < 0.7
-    m[::2] = False  # every other row empty
-    return m
+MASK_KINDS = tuple(k for k in KIT_MASK_KINDS if k != "mixed")  # the kit's kinds; "mixed" draws rows from these
 
 
 def make_inputs(n, r, dtype, kind, gen, device):
-    mask = make_mask(kind, n, r, gen)
+    mask = make_mask(n, r, kind, generator=gen)
     rewards = torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
     values = torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype)
     boot = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
@@ -193,28 +132,24 @@ def check_grid_case(shape, gamma, lmbda, dtype, use_bootstrap, device):
         r, v, m, boot = make_inputs(*shape, dtype, kind, gen, device)
         boot = boot if use_bootstrap else None
         out = gae_advantages_torch(r, v, m, gamma, lmbda, boot)
-        ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, None if boot is None else boot.cpu())
+        ref = reference_gae_response(r, v, m, gamma, lmbda, bootstrap_value=boot)[0]
         assert out.dtype == dtype and out.shape == m.shape
         assert torch.isfinite(out).all(), kind
         assert (out[~m] == 0).all(), f"{kind}: masked positions must be exactly 0"
         assert_close_to_reference(out, ref, dtype)
 
 
+# every gamma x lambda on short rows; on 1024-token rows (16 blocks of 64: the second level of the blocked sum)
+# the pairs of GAMMA_LAM_LONG
+GRID = [(s, g, lm) for s in [(1, 1), (3, 17)] for g in FACTORS for lm in FACTORS]
+GRID += [((4, 1024), g, lm) for g, lm in GAMMA_LAM_LONG]
+
+
 @pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("lmbda", FACTORS)
-@pytest.mark.parametrize("gamma", FACTORS)
-@pytest.mark.parametrize("shape", [(1, 1), (3, 17)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape,gamma,lmbda", GRID, ids=[f"{s[0]}x{s[1]}-{g}-{lm}" for s, g, lm in GRID])
 def test_torch_gae_matches_naive_reference_over_grid(shape, gamma, lmbda, dtype, use_bootstrap, device):
     check_grid_case(shape, gamma, lmbda, dtype, use_bootstrap, device)
-
-
-@pytest.mark.parametrize("use_bootstrap", [False, True], ids=["terminal", "bootstrap"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("gamma,lmbda", GAMMA_LAM_LONG)
-def test_torch_gae_matches_naive_reference_on_1024_token_rows(gamma, lmbda, dtype, use_bootstrap, device):
-    # 16 blocks of 64: the second level of the blocked sum is exercised
-    check_grid_case((4, 1024), gamma, lmbda, dtype, use_bootstrap, device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -224,10 +159,9 @@ def test_masked_gae_flattens_leading_dims_like_the_reference(backend, device):
     r, v, m, boot = make_inputs(6, 17, torch.float32, "holes", gen, device)
     r3, v3, m3, b3 = r.view(2, 3, 17), v.view(2, 3, 17), m.view(2, 3, 17), boot.view(2, 3)
     adv, ret = masked_gae(r3, v3, m3, 0.95, 0.9, average_gae=False, bootstrap_value=b3, backend=backend)
-    ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), 0.95, 0.9, boot.cpu()).view(2, 3, 17)
+    ref, ref_ret = reference_gae_response(r3, v3, m3, 0.95, 0.9, bootstrap_value=b3)
     assert adv.shape == (2, 3, 17)
     assert_close_to_reference(adv, ref, torch.float32)
-    ref_ret = torch.where(m3.cpu(), ref + v3.cpu().double(), 0.0)
     assert_close_to_reference(ret, ref_ret, torch.float32)
 
 
@@ -246,7 +180,8 @@ def test_torch_gae_accepts_zero_dim_tensor_gamma_and_lam():
     gen = torch.Generator().manual_seed(1)
     r, v, m, boot = make_inputs(3, 70, torch.float32, "holes", gen, "cpu")
     out = gae_advantages_torch(r, v, m, torch.tensor(0.97), torch.tensor(0.9), boot)
-    assert_close_to_reference(out, naive_gae(r, v, m, 0.97, 0.9, boot), torch.float32)
+    ref = reference_gae_response(r, v, m, 0.97, 0.9, bootstrap_value=boot)[0]
+    assert_close_to_reference(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("gamma,lmbda", [(0.999, 1.0), (1.0, 1.0), (0.9, 0.9)])
@@ -256,20 +191,22 @@ def test_torch_gae_long_rows_stay_accurate_in_float32(gamma, lmbda):
     r, v, m, boot = make_inputs(2, 5000, torch.float32, "holes", gen, "cpu")
     out = gae_advantages_torch(r, v, m, gamma, lmbda, boot)
     assert torch.isfinite(out).all()
-    assert_close_to_reference(out, naive_gae(r, v, m, gamma, lmbda, boot), torch.float32)
+    ref = reference_gae_response(r, v, m, gamma, lmbda, bootstrap_value=boot)[0]
+    assert_close_to_reference(out, ref, torch.float32)
 
 
 def test_torch_gae_stays_accurate_under_reduced_float32_matmul_precision():
     # with TF32 / bf16 matmul passes allowed, the blocked sums switch to float64
     gen = torch.Generator().manual_seed(4)
-    r, v, m, boot = make_inputs(3, 300, torch.float32, "right_pad", gen, "cpu")
+    r, v, m, boot = make_inputs(3, 300, torch.float32, "right", gen, "cpu")
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("medium")
         out = gae_advantages_torch(r, v, m, 1.0, 1.0, boot)
     finally:
         torch.set_float32_matmul_precision(before)
-    assert_close_to_reference(out, naive_gae(r, v, m, 1.0, 1.0, boot), torch.float32)
+    ref = reference_gae_response(r, v, m, 1.0, 1.0, bootstrap_value=boot)[0]
+    assert_close_to_reference(out, ref, torch.float32)
 
 
 def test_torch_gae_backpropagates_to_values():
@@ -280,14 +217,27 @@ def test_torch_gae_backpropagates_to_values():
     assert torch.autograd.gradcheck(lambda vv: gae_advantages_torch(r, vv, m, 0.9, 0.8, None), (v,))
 
 
-@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 128, 4095, 4097])
-@pytest.mark.parametrize("g", [0.0, 0.3, 0.97, 1.0])
-def test_discounted_reverse_cumsum_matches_loop_across_block_boundaries(length, g):
-    gen = torch.Generator().manual_seed(length)
-    x = torch.randn(2, length, generator=gen, dtype=torch.float64)
-    out = discounted_reverse_cumsum(x, g)
-    ref = naive_discounted_rcumsum(x, g)
-    torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11 * max(1.0, float(ref.abs().max())))
+# lengths on and across block boundaries (64, 64 * 64); without stops, and with stops at three rates
+RCUMSUM = [(n, g, None) for n in [1, 5, 63, 64, 65, 128, 4095, 4097] for g in [0.0, 0.3, 0.97, 1.0]]
+RCUMSUM += [(n, g, rate) for n in [1, 5, 64, 65, 130, 4097] for g in [0.0, 0.5, 0.97, 1.0] for rate in [0.01, 0.3, 1.0]]
+
+
+@pytest.mark.parametrize("length,g,rate", RCUMSUM, ids=[f"{n}-{g}-{'nostop' if r is None else f'stop{r}'}"
+                                                        for n, g, r in RCUMSUM])  # fmt: skip
+def test_discounted_reverse_cumsum_matches_loop(length, g, rate):
+    if rate is None:
+        gen = torch.Generator().manual_seed(length)
+        x, stop = torch.randn(2, length, generator=gen, dtype=torch.float64), None
+    else:
+        gen = torch.Generator().manual_seed(length * 3 + int(rate * 10))
+        x = torch.randn(3, length, generator=gen, dtype=torch.float64)
+        stop = torch.rand(3, length, generator=gen) < rate
+    ref = discounted_rcumsum_reference(x, g, stop)
+    if stop is None:
+        out = discounted_reverse_cumsum(x, g)
+        torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11 * max(1.0, float(ref.abs().max())))
+    else:
+        torch.testing.assert_close(discounted_reverse_cumsum(x, g, stop=stop), ref, rtol=1e-10, atol=1e-10)
 
 
 @settings(max_examples=40, deadline=None)
@@ -311,7 +261,8 @@ def test_torch_gae_equals_reference_and_ignores_garbage_property(n, r, gamma, lm
         r_.masked_fill(~m, float("nan")), v_.masked_fill(~m, -float("inf")), m, gamma, lmbda, boot
     )
     assert torch.equal(clean, noisy)
-    assert_close_to_reference(clean, naive_gae(r_, v_, m, gamma, lmbda, boot), torch.float64)
+    assert_close_to_reference(clean, reference_gae_response(r_, v_, m, gamma, lmbda, bootstrap_value=boot)[0],
+                              torch.float64)
 
 
 # --------------------------------------------------------------------------- #
@@ -327,27 +278,28 @@ def check_segment_case(shape, gamma, lmbda, dtype, rate, backend, device, seed):
         adv, ret = masked_gae(
             r, v, m, gamma, lmbda, average_gae=False, done=done, terminated=term, next_values=nv.to(dtype), backend=backend
         )
-        ref = naive_gae_segments(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, done.cpu(), term.cpu(), nv.to(dtype).cpu())
+        ref = reference_gae_collector(r, v, nv.to(dtype), gamma, lmbda, done=done, terminated=term, mask=m)[0]
         assert adv.dtype == dtype and adv.shape == m.shape
         assert (adv[~m] == 0).all() and (ret[~m] == 0).all(), kind
         assert_close_to_reference(adv, ref, dtype)
         assert_close_to_reference(ret, torch.where(m.cpu(), ref + v.cpu().double(), 0.0), dtype)
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("rate", [0.0, 0.1, 1.0], ids=lambda x: f"done{x}")
-@pytest.mark.parametrize("gamma,lmbda", [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 130)], ids=lambda s: "x".join(map(str, s)))
-def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lmbda, rate, dtype, backend, device):
-    # 130 tokens: two blocks of 64 plus a partial one, so ends fall on and across block boundaries
-    check_segment_case(shape, gamma, lmbda, dtype, rate, backend, device, seed=len(shape) * 31 + shape[-1])
+# 130 tokens: two blocks of 64 plus a partial one, so ends fall on and across block boundaries; every case in
+# float32 and float64 on both backends. 5000 tokens: three levels of blocks, a block holding an end passes nothing
+# on at every level; float32 on the torch backend.
+SEGMENTS = [(s, g, lm, rate, dt, b, len(s) * 31 + s[-1]) for s in [(1, 1), (3, 130)]
+            for g, lm in [(0.0, 0.0), (1.0, 1.0), (0.99, 0.95), (0.5, 1.0)] for rate in [0.0, 0.1, 1.0]
+            for dt in [torch.float32, torch.float64] for b in ["loop", "torch"]]  # fmt: skip
+SEGMENTS += [((2, 5000), g, lm, rate, torch.float32, "torch", int(rate * 1000))
+             for g, lm, rate in [(1.0, 1.0, 0.001), (0.99, 0.95, 0.02), (1.0, 0.95, 0.3)]]  # fmt: skip
 
 
-@pytest.mark.parametrize("gamma,lmbda,rate", [(1.0, 1.0, 0.001), (0.99, 0.95, 0.02), (1.0, 0.95, 0.3)])
-def test_collector_rows_of_5000_steps_stay_accurate_in_float32(gamma, lmbda, rate):
-    # three levels of blocks; a block holding an end passes nothing on at every level
-    check_segment_case((2, 5000), gamma, lmbda, torch.float32, rate, "torch", "cpu", seed=int(rate * 1000))
+@pytest.mark.parametrize("shape,gamma,lmbda,rate,dtype,backend,seed", SEGMENTS,
+                         ids=[f"{s[0]}x{s[1]}-{g}-{lm}-done{r}-{'f32' if dt == torch.float32 else 'f64'}-{b}"
+                              for s, g, lm, r, dt, b, _ in SEGMENTS])  # fmt: skip
+def test_collector_rows_match_the_naive_segment_reference(shape, gamma, lmbda, rate, dtype, backend, seed, device):
+    check_segment_case(shape, gamma, lmbda, dtype, rate, backend, device, seed=seed)
 
 
 def test_collector_row_golden_case():
@@ -421,17 +373,6 @@ def test_no_mask_gives_the_numbers_of_an_all_true_mask_bit_for_bit(backend, shap
                 assert torch.equal(a, b), (sorted(kwargs), normalize)
 
 
-@pytest.mark.parametrize("length", [1, 5, 64, 65, 130, 4097])
-@pytest.mark.parametrize("g", [0.0, 0.5, 0.97, 1.0])
-@pytest.mark.parametrize("rate", [0.01, 0.3, 1.0], ids=lambda x: f"stop{x}")
-def test_discounted_reverse_cumsum_with_stops_matches_loop(length, g, rate):
-    gen = torch.Generator().manual_seed(length * 3 + int(rate * 10))
-    x = torch.randn(3, length, generator=gen, dtype=torch.float64)
-    stop = torch.rand(3, length, generator=gen) < rate
-    out = discounted_reverse_cumsum(x, g, stop=stop)
-    torch.testing.assert_close(out, naive_discounted_rcumsum(x, g, stop), rtol=1e-10, atol=1e-10)
-
-
 def test_torch_gae_with_ends_backpropagates_to_values_and_next_values():
     gen = torch.Generator().manual_seed(23)
     r, v, m, _ = make_inputs(2, 9, torch.float64, "holes", gen, "cpu")
@@ -460,6 +401,7 @@ _INTERPRETED_KERNEL = """
 import torch
 from ppo_objectives import functional as F
 from ppo_objectives._kernels.triton_gae import masked_gae_triton
+from ppo_objectives.testing import reference_gae_collector, reference_gae_response
 import tests.kernels.test_gae_fast as t
 gen = torch.Generator().manual_seed(0)
 worst = 0.0
@@ -472,11 +414,12 @@ for shape, kind in cases:
         g, l = torch.tensor(gamma), torch.tensor(lmbda)  # the interpreter takes the device-buffer path
         rr, vv, mm, g_, l_, _, ends, ev, _ = F._gae_inputs(r, v, m, g, l, None, done, term, nv.float())
         seg = masked_gae_triton(rr, vv, mm, g_, l_, None, ends, ev)
-        want = t.naive_gae_segments(r, v, m, gamma, lmbda, done, term, nv.float())
+        want = reference_gae_collector(r, v, nv.float(), gamma, lmbda, done=done, terminated=term, mask=m)[0]
         t.assert_close_to_reference(seg, want, torch.float32)
         for b in (None, boot):
             out = masked_gae_triton(r, v, m, g, l, b)
-            t.assert_close_to_reference(out, t.naive_gae(r, v, m, gamma, lmbda, b), torch.float32)
+            want = reference_gae_response(r, v, m, gamma, lmbda, bootstrap_value=b)[0]
+            t.assert_close_to_reference(out, want, torch.float32)
         worst = max(worst, float((seg.double() - want).abs().max()))
 print("ok", worst)
 """
@@ -509,7 +452,7 @@ def test_masked_gae_compiles_with_fullgraph_and_matches_reference():
         dynamic=False,
     )
     adv, ret = compiled(r, v, m, boot)
-    ref = naive_gae(r, v, m, 0.95, 0.9, boot)
+    ref = reference_gae_response(r, v, m, 0.95, 0.9, bootstrap_value=boot)[0]
     assert_close_to_reference(adv, ref, torch.float32)
     assert_close_to_reference(ret, torch.where(m, ref + v.double(), 0.0), torch.float32)
     torch._dynamo.reset()
@@ -528,7 +471,8 @@ def test_triton_kernel_algebra_matches_reference_when_emulated(r, block):
         rw, v, m, boot = make_inputs(3, r, torch.float64, kind, gen, "cpu")
         for b in (None, boot):
             out = emulate_triton_kernel(rw, v, m, 0.9, 0.8, b, block)
-            torch.testing.assert_close(out, naive_gae(rw, v, m, 0.9, 0.8, b), rtol=1e-12, atol=1e-12)
+            ref = reference_gae_response(rw, v, m, 0.9, 0.8, bootstrap_value=b)[0]
+            torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_select_backend_auto_is_torch_on_cpu():
@@ -560,7 +504,8 @@ def test_select_backend_auto_leaves_compiled_code_to_inductor(monkeypatch):
 
 
 def test_select_backend_rejects_unknown_name():
-    with pytest.raises(ValueError, match=r"backend='cuda' is not one of .*'triton'"):
+    with pytest.raises(ValueError, match=r"masked_gae: backend='cuda' is not one of \('auto', 'loop', 'torch', 'triton'\); "
+                                         r"the advantages cannot be computed with an unknown implementation"):
         select_backend(torch.device("cpu"), "cuda")
 
 
@@ -600,7 +545,7 @@ def test_triton_entry_falls_back_to_torch_when_gradients_are_needed(monkeypatch)
     v = torch.where(m, v, 0.0).requires_grad_()
     out = gae_advantages_triton(r, v, m, 0.9, 0.8, None)
     assert out.grad_fn is not None
-    assert_close_to_reference(out.detach(), naive_gae(r, v.detach(), m, 0.9, 0.8), torch.float32)
+    assert_close_to_reference(out.detach(), reference_gae_response(r, v.detach(), m, 0.9, 0.8)[0], torch.float32)
 
 
 # --------------------------------------------------------------------------- #
@@ -624,7 +569,7 @@ def test_triton_gae_matches_naive_reference_on_cuda(shape, dtype, tensor_gamma):
             lm = torch.tensor(lmbda, device="cuda", dtype=dtype) if tensor_gamma else lmbda
             for b in (None, boot):
                 out = gae_advantages_triton(r, v, m, g, lm, b)
-                ref = naive_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lmbda, None if b is None else b.cpu())
+                ref = reference_gae_response(r, v, m, gamma, lmbda, bootstrap_value=b)[0]
                 assert (out[~m] == 0).all()
                 assert_close_to_reference(out, ref, dtype)
 

@@ -1,4 +1,4 @@
-"""Chunked log-probs / entropies of chosen tokens against a naive float64 log_softmax().gather()."""
+"""Chunked log-probs / entropies of chosen tokens against the testing kit's float64 per-position reference."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import torch
 
 from ppo_objectives._kernels.logprobs import default_chunk_size, gathered_log_probs
 from ppo_objectives.functional import response_log_probs
+from ppo_objectives.testing import reference_log_probs, reference_response_log_probs
 
 
-def naive(logits, positions, targets):
-    """Full float64 log-softmax, pick the rows, gather the targets; entropy -sum p log p."""
-    logq = torch.log_softmax(logits.double(), dim=-1)
-    b = torch.arange(logits.shape[0])[:, None]
-    rows = logq[b, positions]  # [B, R, V]
-    logp = rows.gather(-1, targets[..., None]).squeeze(-1)
-    entropy = -(rows.exp() * rows).sum(-1)
-    return logp, entropy
+def reference_at(logits, positions, targets):
+    """The kit's float64 reference on the rows ``logits[b, positions[b, j]]``: ``(log-probs, entropies)``."""
+    rows = logits[torch.arange(logits.shape[0], device=logits.device)[:, None], positions]  # [B, R, V]
+    return reference_log_probs(rows, targets, return_entropy=True)
 
 
 def make(b=2, t=9, v=11, r=5, dtype=torch.float32, seed=0, device="cpu"):
@@ -36,7 +33,7 @@ def test_log_probs_and_entropy_match_naive_for_every_chunk_size(dtype, chunk_siz
     logits, pos, tgt = make(dtype=dtype, device=device)
     logp, ent = gathered_log_probs(logits, pos, tgt, return_entropy=True, chunk_size=chunk_size)
     # the reference sees the same (rounded) half-precision logits, upcast
-    ref_logp, ref_ent = naive(logits.cpu(), pos.cpu(), tgt.cpu())
+    ref_logp, ref_ent = reference_at(logits.cpu(), pos.cpu(), tgt.cpu())
     expected_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     assert logp.dtype == ent.dtype == expected_dtype and logp.shape == pos.shape
     torch.testing.assert_close(logp.cpu().double(), ref_logp, rtol=TOL[dtype], atol=TOL[dtype] * 10)
@@ -47,7 +44,7 @@ def test_entropy_is_skipped_when_not_asked():
     logits, pos, tgt = make()
     logp, ent = gathered_log_probs(logits, pos, tgt, return_entropy=False, chunk_size=2)
     assert ent is None
-    torch.testing.assert_close(logp.double(), naive(logits, pos, tgt)[0], rtol=2e-6, atol=2e-5)
+    torch.testing.assert_close(logp.double(), reference_at(logits, pos, tgt)[0], rtol=2e-6, atol=2e-5)
 
 
 def test_uniform_logits_golden_case():
@@ -92,7 +89,7 @@ def test_gradient_matches_naive_autograd_for_bf16_logits():
     logp, ent = gathered_log_probs(a, pos, tgt, return_entropy=True, chunk_size=3)
     ((logp * w).sum() + (ent * w).sum()).backward()
     b = logits.double().requires_grad_()
-    ref_logp, ref_ent = naive(b, pos, tgt)
+    ref_logp, ref_ent = reference_at(b, pos, tgt)
     ((ref_logp * w).sum() + (ref_ent * w).sum()).backward()
     assert a.grad.dtype == torch.bfloat16
     torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-2, atol=1e-2)  # bf16 gradient rounding
@@ -106,7 +103,7 @@ def test_non_contiguous_logits_give_the_same_values_and_gradients():
         lambda x: gathered_log_probs(x, pos, tgt, return_entropy=True, chunk_size=5), (strided,)
     )
     out = gathered_log_probs(strided, pos, tgt, return_entropy=False, chunk_size=5)[0]
-    torch.testing.assert_close(out, naive(logits, pos, tgt)[0])
+    torch.testing.assert_close(out, reference_at(logits, pos, tgt)[0])
 
 
 def test_double_backward_raises_instead_of_being_wrong():
@@ -125,8 +122,7 @@ def test_response_log_probs_uses_the_chunked_path_equal_to_naive():
     ids = torch.randint(0, 10, (2, 8), generator=torch.Generator().manual_seed(5))
     prompt = torch.tensor([3, 1])
     logp, ent = response_log_probs(logits, ids, prompt, 4, return_entropy=True, chunk_size=3)
-    pos = prompt[:, None] - 1 + torch.arange(4)
-    ref_logp, ref_ent = naive(logits, pos, ids.gather(1, pos + 1))
+    ref_logp, ref_ent = reference_response_log_probs(logits, ids, prompt, 4, return_entropy=True)
     torch.testing.assert_close(logp.double(), ref_logp, rtol=2e-6, atol=2e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=2e-6, atol=2e-5)
 

@@ -39,7 +39,7 @@ def test_encoding_of_the_worked_string():
     assert task.encode("123<") == [3, 4, 5, 14]
     assert task.encode("321.") == [5, 4, 3, 1]
     assert task.decode([3, 4, 5, 14]) == "123<"
-    with pytest.raises(ValueError, match=r"characters \['a'\] are not in the vocabulary"):
+    with pytest.raises(ValueError, match=r"cannot encode '1a': characters \['a'\] are not in the vocabulary '_\.0123456789\+=<>'"):
         task.encode("1a")
 
 
@@ -88,9 +88,9 @@ def test_reward_ignores_tokens_after_the_mask():
 
 
 def test_task_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="op='mul' is unknown"):
+    with pytest.raises(ValueError, match=r"DigitTask op='mul' is unknown; choose one of \('copy', 'reverse', 'add'\)"):
         DigitTask("mul")
-    with pytest.raises(ValueError, match="num_digits=0 must be an int"):
+    with pytest.raises(ValueError, match=r"num_digits=0 must be an int in \[1, 9\]"):
         DigitTask("copy", 0)
     with pytest.raises(ValueError, match="min_digits=4 must be in"):
         DigitTask("copy", 3, min_digits=4)
@@ -220,7 +220,8 @@ def test_prompt_source_errors_name_the_problem():
         TokenLMEnv([[2, 3, 4, 5, 14]], task.reward, **kw).reset()
     with pytest.raises(ValueError, match="the prompt source is empty"):
         TokenLMEnv([], task.reward, **kw)
-    with pytest.raises(TypeError, match="prompts must be a callable"):
+    with pytest.raises(TypeError, match=r"prompts must be a callable \(k, generator\) -> prompts, a tensor, a list of "
+                                        r"token-id sequences, or an iterable / DataLoader of them; got float"):
         TokenLMEnv(3.5, task.reward, **kw)
     with pytest.raises(ValueError, match="the prompt iterator is exhausted"):
         env = TokenLMEnv(iter([[3, 14]]), task.reward, **kw)
@@ -245,11 +246,11 @@ def test_out_of_vocabulary_prompts_and_actions_are_refused():
 def test_env_rejects_bad_arguments():
     task = DigitTask("reverse", 2)
     kw = dict(num_envs=2, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)
-    with pytest.raises(ValueError, match="num_envs=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="TokenLMEnv num_envs=0 must be an int >= 1"):
         TokenLMEnv(task, task.reward, **{**kw, "num_envs": 0})
-    with pytest.raises(ValueError, match=r"eos_id=16 is outside the vocabulary \[0, 16\)"):
+    with pytest.raises(ValueError, match=r"TokenLMEnv eos_id=16 is outside the vocabulary \[0, 16\)"):
         TokenLMEnv(task, task.reward, **{**kw, "eos_id": 16})
-    with pytest.raises(TypeError, match="reward_fn must be callable"):
+    with pytest.raises(TypeError, match="reward_fn must be callable, got NoneType"):
         TokenLMEnv(task, None, **kw)
 
 
@@ -283,7 +284,8 @@ def test_trajectories_cut_by_the_batch_start_are_dropped():
     tail = roll[:, 2:]  # episodes of steps 0-3 are cut: only the ones of steps 4-7 survive
     llm = trajectories_to_llm_batch(tail, env.prompt_len, env.max_new_tokens)
     assert llm.batch_size == (2,) and (llm["score"] == 1).all()
-    with pytest.raises(ValueError, match=r"expected a collector batch \[\*N, T\] \(time last\), got batch_size \(\)"):
+    with pytest.raises(ValueError, match=r"expected a collector batch \[\*N, T\] \(time last\), got batch_size \(\): "
+                                         r"pass the collector's output, not a single step"):
         trajectories_to_llm_batch(roll[0, 0], 4, 4)
     stacked = trajectories_to_llm_batch(roll.unsqueeze(0), env.prompt_len, env.max_new_tokens)  # [W, N, T]
     assert stacked.batch_size == (4,)

@@ -105,9 +105,9 @@ def test_autocast_env_policy_rebuilds_its_cache_when_the_dtype_changes():
 
 
 def test_autocast_refuses_an_unsupported_dtype():
-    with pytest.raises(ValueError, match=r"TinyCausalLM.autocast_dtype=torch.float64 is not supported"):
+    with pytest.raises(ValueError, match=r"TinyCausalLM\.autocast_dtype=torch\.float64 is not supported"):
         _tiny(autocast_dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"HFCausalLMAdapter.autocast_dtype=torch.int8 is not supported"):
+    with pytest.raises(ValueError, match=r"HFCausalLMAdapter\.autocast_dtype=torch\.int8 is not supported"):
         _llama(autocast_dtype=torch.int8)
     lm = _llama()
     lm.autocast_dtype = "bf16"

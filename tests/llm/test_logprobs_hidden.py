@@ -1,6 +1,6 @@
-"""Log-probs and entropies from hidden states (the LM head inside the chunk loop) against the naive
-``log_softmax(hidden @ W.T + b).gather`` in float64, and the read-outs' hidden path against their
-logits path.
+"""Log-probs and entropies from hidden states (the LM head inside the chunk loop) against the testing
+kit's float64 per-position reference on ``hidden @ W.T + b``, and the read-outs' hidden path against
+their logits path.
 
 bf16 tolerance (``test_bf16_inputs_match_the_float32_path_within_the_logit_rounding``): the bf16
 path rounds each logit to bf16 (8 significant bits, a relative rounding of at most ``2**-9``)
@@ -31,20 +31,17 @@ from ppo_objectives.llm.readouts import (
     make_actor_critic,
     read_log_probs,
 )
+from ppo_objectives.testing import reference_log_probs, reference_response_log_probs
 
 # ----------------------------------------------------------------------------- references
 
 
-def naive(hidden, weight, bias, input_ids, prompt_lens, R, mask=None):
-    """float64 ``log_softmax(hidden @ W.T + b)`` at ``p = prompt_lens - 1 + j``, target ``input_ids[p + 1]``."""
+def reference_from_hidden(hidden, weight, bias, input_ids, prompt_lens, R, mask=None):
+    """The float64 logits ``hidden @ W.T + b`` read by the kit's reference (``reference_response_log_probs``)."""
     logits = hidden.double() @ weight.double().T
     if bias is not None:
         logits = logits + bias.double()
-    logq = torch.log_softmax(logits, dim=-1)  # [B, T, V]
-    pos = prompt_lens[:, None] - 1 + torch.arange(R, device=hidden.device)
-    rows = logq[torch.arange(hidden.shape[0], device=hidden.device)[:, None], pos]  # [B, R, V]
-    logp = rows.gather(-1, input_ids.gather(1, pos + 1)[..., None]).squeeze(-1)
-    entropy = -(rows.exp() * rows).sum(-1)
+    logp, entropy = reference_response_log_probs(logits, input_ids, prompt_lens, R, return_entropy=True)
     if mask is not None:
         logp, entropy = torch.where(mask, logp, 0.0), torch.where(mask, entropy, 0.0)
     return logp, entropy
@@ -88,7 +85,7 @@ def ours(ids, prompt_lens, R, mask=None, entropy=True, chunk_size=None):
 
 def reference(ids, prompt_lens, R, mask=None, entropy=True):
     def fn(hidden, weight, bias):
-        logp, ent = naive(hidden, weight, bias, ids, prompt_lens, R, mask)
+        logp, ent = reference_from_hidden(hidden, weight, bias, ids, prompt_lens, R, mask)
         return logp, (ent if entropy else None)
 
     return fn
@@ -188,9 +185,8 @@ def test_repeated_rows_add_their_gradients():
         return gathered_log_probs_from_hidden(h, w, b, positions, targets, None, return_entropy=True, chunk_size=3)
 
     def ref(h, w, b):
-        logq = torch.log_softmax(h.double() @ w.double().T + b.double(), -1)
-        rows = logq[torch.arange(2)[:, None], positions]
-        return rows.gather(-1, targets[..., None]).squeeze(-1), -(rows.exp() * rows).sum(-1)
+        rows = (h.double() @ w.double().T + b.double())[torch.arange(2)[:, None], positions]
+        return reference_log_probs(rows, targets, return_entropy=True)
 
     got, g_got = grads_of(fn, (hidden, weight, b_))
     want, g_want = grads_of(ref, (hidden, weight, b_))
@@ -213,7 +209,7 @@ def test_tied_weights_get_the_naive_gradient():
         return logp.detach(), w.grad
 
     got = run(lambda h, w: response_log_probs_from_hidden(h, w, ids, pl, 4, return_entropy=True, chunk_size=3))
-    want = run(lambda h, w: naive(h, w, None, ids, pl, 4))
+    want = run(lambda h, w: reference_from_hidden(h, w, None, ids, pl, 4))
     torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1].double(), want[1].double(), rtol=1e-5, atol=1e-5)
 
@@ -255,7 +251,7 @@ def test_only_the_entropy_gradient_is_used_when_the_log_probs_are_unused():
         return h.grad, w.grad
 
     got = entropy_only(lambda h, w: response_log_probs_from_hidden(h, w, ids, pl, 4, return_entropy=True))
-    want = entropy_only(lambda h, w: naive(h, w, None, ids, pl, 4))
+    want = entropy_only(lambda h, w: reference_from_hidden(h, w, None, ids, pl, 4))
     assert_close_all(got, want, 1e-5)
 
 
@@ -307,16 +303,16 @@ BAD = {
     ),
     "bias-shape": (dict(lm_head_bias=torch.zeros(12)), ValueError, r"lm_head_bias has shape \(12,\).*V=11"),
     "bias-int": (dict(lm_head_bias=torch.zeros(11, dtype=torch.long)), TypeError, r"lm_head_bias must be a float"),
-    "ids-float": (dict(input_ids=torch.zeros(2, 9)), TypeError, r"input_ids must be an integer tensor"),
+    "ids-float": (dict(input_ids=torch.zeros(2, 9)), TypeError, r"\binput_ids\b"),
     "ids-shape": (dict(input_ids=torch.zeros(2, 8, dtype=torch.long)), ValueError, r"input_ids has shape \(2, 8\)"),
-    "prompt-lens-shape": (dict(prompt_lens=torch.ones(3, dtype=torch.long)), ValueError, r"prompt_lens has shape"),
+    "prompt-lens-shape": (dict(prompt_lens=torch.ones(3, dtype=torch.long)), ValueError, r"\bprompt_lens\b"),
     "prompt-lens-list": (dict(prompt_lens=[1, 1]), TypeError, r"prompt_lens must be a torch.Tensor"),
-    "device": (dict(lm_head_weight=torch.zeros(11, 5, device="meta")), ValueError, r"one device.*meta"),
+    "device": (dict(lm_head_weight=torch.zeros(11, 5, device="meta")), ValueError, r"\blm_head_weight on meta"),
     "mask-shape": (dict(mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"mask has shape \(2, 5\).*\(2, 4\)"),
-    "mask-values": (dict(mask=torch.full((2, 4), 2.0)), ValueError, r"mask must hold only 0 and 1.*mask > 0.5"),
+    "mask-values": (dict(mask=torch.full((2, 4), 2.0)), ValueError, r"\bmask\b"),
     "mask-list": (dict(mask=[[True] * 4] * 2), TypeError, r"mask must be a torch.Tensor"),
-    "chunk-0": (dict(chunk_size=0), ValueError, r"chunk_size=0 must be an int >= 1"),
-    "too-long": (dict(response_len=9), ValueError, r"positions outside the sequence.*T=9"),
+    "chunk-0": (dict(chunk_size=0), ValueError, r"chunk_size=0"),
+    "too-long": (dict(response_len=9), ValueError, r"hidden/input_ids have T=9\b"),
     "vocab": (
         dict(input_ids=torch.full((2, 9), 11)), ValueError, r"outside the vocabulary \[0, V=11\) of lm_head_weight"
     ),

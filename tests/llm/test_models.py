@@ -13,6 +13,7 @@ from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.llm.models import PRESETS, TinyCausalLM, TinyLMConfig, position_ids_from_mask
 from ppo_objectives.llm.policy import NextTokenLogits, make_actor, sample_with_kv_cache
 from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, make_actor_critic
+from ppo_objectives.testing import reference_log_probs
 from ppo_objectives.train.digit import DigitTask
 
 
@@ -45,13 +46,13 @@ def test_config_rejects_width_not_divisible_by_heads():
 
 
 def test_config_rejects_unknown_preset_and_bad_sizes():
-    with pytest.raises(ValueError, match="unknown preset 'giga'"):
+    with pytest.raises(ValueError, match=r"unknown preset 'giga'; choose one of \['micro', 'nano', 'pico'\]"):
         TinyLMConfig.preset("giga")
     with pytest.raises(ValueError, match="n_layer=0 must be a positive int"):
         TinyLMConfig(n_layer=0)
     with pytest.raises(ValueError, match="dropout=1.5 must be in"):
         TinyLMConfig(dropout=1.5)
-    with pytest.raises(TypeError, match="config must be a TinyLMConfig"):
+    with pytest.raises(TypeError, match="config must be a TinyLMConfig, got dict"):
         TinyCausalLM({"n_layer": 1})
 
 
@@ -120,7 +121,8 @@ def test_kv_cache_with_per_row_slots_equals_full_forward():
 
 def test_cache_errors_name_the_problem():
     lm = _lm(block=8)
-    with pytest.raises(ValueError, match="max_len=9 exceeds block_size=8"):
+    with pytest.raises(ValueError, match="max_len=9 exceeds block_size=8: the model has no position embedding beyond "
+                                         "it; build the model with block_size >= 9"):
         lm.new_cache(1, 9)
     cache = lm.new_cache(2, 8)
     with pytest.raises(ValueError, match="cache holds 2 rows but input_ids has B=1"):
@@ -133,11 +135,12 @@ def test_cache_errors_name_the_problem():
 
 def test_model_input_errors_name_the_tensor():
     lm = _lm(block=8)
-    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+    with pytest.raises(TypeError, match=r"input_ids must be an integer tensor of token ids, got dtype torch\.float32; use \.long\(\)"):
         lm(torch.zeros(1, 2))
-    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(2,\); add a batch dim with \[None\]"):
         lm(torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\): one flag "
+                                         r"per token is needed \(no broadcasting\)"):
         lm(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="input_ids holds token id 20, outside"):
         lm(torch.tensor([[1, 20]]))
@@ -157,7 +160,7 @@ def test_sample_with_kv_cache_log_probs_equal_a_full_forward():
     )
     seq = torch.cat([prompts, resp], 1)
     logits = lm(seq, torch.cat([pmask, mask], 1)).logits
-    ref = torch.log_softmax(logits[:, 3:7], -1).gather(-1, resp[..., None]).squeeze(-1)
+    ref = reference_log_probs(logits[:, 3:7], resp).float()
     torch.testing.assert_close(logp[mask], ref[mask], atol=1e-5, rtol=1e-5)
     assert (logp[~mask] == 0).all() and (resp[~mask] == 0).all()
 
@@ -261,7 +264,7 @@ def test_actor_sample_log_prob_equals_a_direct_forward():
         logits = lm(step["tokens"], step["attention_mask"]).logits  # [N, S, V]
         last = step["position"] - 1
         at = logits[torch.arange(4), last]
-        ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+        ref = reference_log_probs(at, step["action"]).float()
         torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
     assert roll["sample_log_prob"].dtype == torch.float32
 
@@ -324,7 +327,7 @@ def test_shared_trunk_shares_weights_and_separate_trunk_copies_them():
 
 def test_response_modules_reject_sequences_without_a_response():
     lm = _lm(block=8)
-    with pytest.raises(ValueError, match="prompt_len=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"prompt_len=0 must be an int >= 1 \(the prompt width P\)"):
         ResponseLogProbs(lm, 0)
     with pytest.raises(ValueError, match="prompt_len=True must be an int >= 1"):
         ResponseValues(lm, True)
@@ -363,7 +366,7 @@ def test_hf_adapter_drives_the_env_and_matches_its_own_forward():
         position_ids=position_ids_from_mask(step["attention_mask"]),
     ).logits.float()
     at = logits[torch.arange(3), step["position"] - 1]
-    ref = torch.log_softmax(at, -1).gather(-1, step["action"][:, None]).squeeze(-1)
+    ref = reference_log_probs(at, step["action"]).float()
     torch.testing.assert_close(step["sample_log_prob"], ref, atol=1e-5, rtol=1e-5)
     td = TensorDict(input_ids=roll[:, -1]["next", "tokens"], attention_mask=roll[:, -1]["next", "attention_mask"],
                     batch_size=[3])
@@ -395,7 +398,7 @@ def test_names_built_on_the_models_are_imported_from_their_own_module(name, home
     assert getattr(importlib.import_module(f"ppo_objectives.{home}"), name) is not None
     with pytest.raises(ImportError, match=rf"{name} is not in ppo_objectives.models.*from ppo_objectives.{home} import"):
         exec(f"from ppo_objectives.models import {name}", {})
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    with pytest.raises(AttributeError, match=r"module 'ppo_objectives\.models' has no attribute 'no_such_name'"):
         models.no_such_name  # noqa: B018
 
 

@@ -1,5 +1,7 @@
 """The testing kit (ppo_objectives.testing) and its pytest plugin: factories, references, tiny networks, assertions."""
 
+import math
+
 import pytest
 import torch
 from tensordict.nn import TensorDictModuleBase
@@ -141,15 +143,8 @@ def test_masked_gae_accepts_the_collector_batch(mask, trailing_dim):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reference_gae_response_equals_masked_gae(kind):
+    # masked_gae itself against reference_gae_response: tests/test_functional.py's grid over every kind
     td = T.response_batch(batch_size=6, response_len=9, mask=kind, masked_fill=float("nan"), seed=2)
-    r, v, m = td["next", "reward"], td["state_value"], td["mask"]
-    boot = torch.randn(6, generator=torch.Generator().manual_seed(0))
-    for normalize in (False, True):
-        want = T.reference_gae_response(r, v, m, 0.9, 0.8, bootstrap_value=boot, average_gae=normalize)
-        for backend in ("torch", "loop"):
-            got = F.masked_gae(r, v, m, 0.9, 0.8, bootstrap_value=boot, average_gae=normalize, backend=backend)
-            for g, w, name in zip(got, want, ("advantages", "returns")):
-                T.assert_matches_reference(g, w, name=f"{backend} {name}")
     adv, target = T.reference_gae_tensordict(td, 1.0, 0.95, average_gae=True)
     out = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)(td.clone())
     T.assert_matches_reference(out["advantage"], adv, name="MaskedGAE advantage")
@@ -190,19 +185,54 @@ def test_reference_gae_full_sequence_equals_masked_gae():
 
 
 @pytest.mark.parametrize("kind", ["right", "holes", "empty_rows"])
-def test_reference_ppo_loss_and_kl_equal_the_functional_core(kind):
-    td = T.response_batch(batch_size=6, response_len=7, mask=kind, with_advantage=True, seed=7)
-    m, old, ref, adv = td["mask"], td["sample_log_prob"], td["ref_log_prob"], td["advantage"]
+def test_reference_kl_equals_the_functional_core(kind):
+    # ppo_policy_loss against reference_ppo_policy_loss: tests/test_functional.py's grid over every kind
+    td = T.response_batch(batch_size=6, response_len=7, mask=kind, with_ref_log_prob=True, seed=7)
+    m, old, ref = td["mask"], td["sample_log_prob"], td["ref_log_prob"]
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    for eps, kw in ((0.2, {}), ((0.2, 0.28), {}), (0.2, {"dual_clip": 3.0})):
-        got = F.ppo_policy_loss(new, old, adv, m, eps, **kw)
-        T.assert_matches_reference(got, T.reference_ppo_policy_loss(new, old, adv, m, eps, **kw), name=f"loss {eps} {kw}")
     for est in ("k1", "k2", "k3", "k3+"):
         T.assert_matches_reference(F.masked_kl_estimate(new, ref, m, est), T.reference_kl(new, ref, est, mask=m),
                                    name=est)  # fmt: skip
         T.assert_matches_reference(F.kl_estimate(new, ref, est), T.reference_kl(new, ref, est), name=est)
     T.assert_matches_reference(F.reference_kl_penalty(new, ref, m),
                                T.reference_kl(new, ref, "k3", mask=m).sum() / m.sum().clamp(min=1))  # fmt: skip
+
+
+def test_reference_log_probs_equal_the_functional_core_in_values_and_gradients():
+    # values over dtypes and devices: tests/test_functional.py's test_response_log_probs_equal_naive_gather
+    g = torch.Generator().manual_seed(12)
+    logits = 2 * torch.randn(3, 9, 11, generator=g)
+    ids = torch.randint(0, 11, (3, 9), generator=g)
+    pl = torch.tensor([1, 5, 3])
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = F.response_log_probs(a, ids, pl, 4, return_entropy=True)
+    want = T.reference_response_log_probs(b, ids, pl, 4, return_entropy=True)
+    assert want[0].dtype == torch.float64 and want[0].shape == (3, 4)
+    for x, y, name in zip(got, want, ("log-probs", "entropies")):
+        T.assert_matches_reference(x, y, name=name)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    ((got[0] * w).sum() + (got[1] * w.flip(-1)).sum()).backward()
+    ((want[0] * w).sum() + (want[1] * w.flip(-1)).sum()).backward()
+    T.assert_matches_reference(a.grad, b.grad, atol=1e-5, name="gradient")
+    # the response form scores input_ids[b, p + 1] from logits[b, p]: the plain form on those rows
+    p = pl[:, None] - 1 + torch.arange(4)
+    rows = logits[torch.arange(3)[:, None], p]
+    T.assert_matches_reference(T.reference_log_probs(rows, ids.gather(1, p + 1)), want[0], name="plain form")
+
+
+def test_reference_log_probs_golden_case_and_errors():
+    logp, ent = T.reference_log_probs(torch.zeros(2, 4), torch.tensor([3, 0]), return_entropy=True)
+    T.assert_matches_reference(logp, torch.full((2,), -math.log(4)), name="log(1/4)")
+    T.assert_matches_reference(ent, torch.full((2,), math.log(4)), name="log 4")
+    assert T.reference_log_probs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    with pytest.raises(ValueError, match=r"targets has shape \(3,\), expected \(2,\)"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets holds 4, outside \[0, V = 4\)"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.tensor([0, 4]))
+    with pytest.raises(TypeError, match="targets must be an integer tensor"):
+        T.reference_log_probs(torch.zeros(2, 4), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"row 0: response token 2 sits at column 4, outside the T = 4 columns"):
+        T.reference_response_log_probs(torch.zeros(1, 4, 3), torch.zeros(1, 4, dtype=torch.long), torch.tensor([2]), 3)
 
 
 # --------------------------------------------------------------------------- tiny networks
@@ -220,10 +250,9 @@ def test_tiny_actor_critic_is_deterministic_and_trains(layout):
     assert (logp <= 0).all() and (ent >= 0).all()
     if layout == "response":  # the alignment of ResponseLogProbs: token j given input_ids[:, P + j - 1]
         P = td["input_ids"].shape[1] - td["response_ids"].shape[1]
-        table = torch.log_softmax(a1.module.logits.detach(), -1)
         j = 2
-        want = table[td["input_ids"][:, P + j - 1], td["response_ids"][:, j]]
-        assert torch.allclose(logp[:, j], want)
+        want = T.reference_log_probs(a1.module.logits.detach()[td["input_ids"][:, P + j - 1]], td["response_ids"][:, j])
+        assert torch.allclose(logp[:, j], want.float())
     td = MaskedGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(a1, c1)
     out = loss(td)

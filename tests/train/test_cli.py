@@ -6,11 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from _flags import SHORT
 
 from ppo_objectives import train as T
-
-SMALL = ["--preset", "pico", "--num-envs", "8", "--warmup-steps", "3", "--ppo-epochs", "1", "--minibatches", "2",
-         "--no-plot", "--no-progress"]  # fmt: skip
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -35,26 +33,26 @@ def test_out_pointing_at_a_file_names_out(cli_error, tmp_path):
 
 def test_resume_refuses_a_missing_checkpoint_changed_flags_and_nothing_left(cli_error, tmp_path):
     out = str(tmp_path / "run")
-    assert "no checkpoint in" in cli_error(["--out", out, "--resume", *SMALL])
-    T.main(["--iterations", "2", "--out", out, *SMALL])
-    err = cli_error(["--iterations", "4", "--out", out, "--resume", "--task", "copy", "--lr", "1e-3",
-                          "--num-envs", "16", *SMALL[:2], *SMALL[4:]])
+    assert "no checkpoint in" in cli_error(["--out", out, "--resume", *SHORT])
+    T.main(["--iterations", "2", "--out", out, *SHORT])
+    err = cli_error(["--iterations", "4", "--out", out, "--resume", "--task", "copy", "--lr", "1e-3", *SHORT,
+                     "--num-envs", "16"])
     assert "--task 'copy' (the checkpoint's: 'reverse')" in err and "--lr 0.001 (the checkpoint's: 0.0003)" in err
     assert "--num-envs 16" in err and "--allow-change task,num-envs,lr" in err
-    assert "nothing left to run" in cli_error(["--iterations", "2", "--out", out, "--resume", *SMALL])
+    assert "nothing left to run" in cli_error(["--iterations", "2", "--out", out, "--resume", *SHORT])
     assert "no such flag" in cli_error(["--iterations", "3", "--out", out, "--resume", "--allow-change", "speed",
-                                             *SMALL])
+                                             *SHORT])
 
 
 def test_resume_with_safe_changes_says_where_it_resumed(capsys, tmp_path):
     out = str(tmp_path / "run")
-    T.main(["--iterations", "2", "--out", out, *SMALL])
+    T.main(["--iterations", "2", "--out", out, *SHORT])
     capsys.readouterr()
-    T.main(["--iterations", "3", "--out", out, "--resume", "--save-every", "5", "--threads", "1", *SMALL])
+    T.main(["--iterations", "3", "--out", out, "--resume", "--save-every", "5", "--threads", "1", *SHORT])
     assert "resumed at iteration 2 of 3" in capsys.readouterr().err
     rows = T.read_metrics(tmp_path / "run" / "metrics.csv")
     assert [r["iteration"] for r in rows] == [1.0, 2.0, 3.0]
-    T.main(["--iterations", "4", "--out", out, "--resume", "--lr", "1e-4", "--allow-change", "lr", *SMALL])
+    T.main(["--iterations", "4", "--out", out, "--resume", "--lr", "1e-4", "--allow-change", "lr", *SHORT])
     assert not math.isnan(T.read_metrics(tmp_path / "run" / "metrics.csv")[-1]["reward"])
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_train import SMALL, _pieces
+from _flags import SMALL
+from test_train import _pieces
 from test_train_distributed import _params, _rollout
 
 from ppo_objectives import train as T

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from test_train import SMALL
+from _flags import SMALL
 
 from ppo_objectives import train as T
 from ppo_objectives.train import loop

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from _flags import SHORT
 
 from ppo_objectives import train as T
 from ppo_objectives.llm.env import TokenLMEnv
@@ -17,9 +18,6 @@ pytest.importorskip("transformers")
 
 TASK = DigitTask("reverse", 3)
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
-# a short job: few envs, few warm-start steps, one PPO epoch
-SMALL = ["--num-envs", "8", "--warmup-steps", "3", "--ppo-epochs", "1", "--minibatches", "2", "--no-plot",
-         "--no-progress"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +108,9 @@ def test_task_tokens_go_through_the_tokenizer(ckpt):
 
 def test_without_a_tokenizer_the_mapping_is_the_identity(ckpt):
     assert PT.load_tokenizer(ckpt("qwen2", with_tokenizer=False)) is None
-    with pytest.raises(ValueError, match="has no tokenizer .* pass --token-map identity"):
+    with pytest.raises(ValueError, match=r"--model .* has no tokenizer \(tokenizer\.json / tokenizer_config\.json\), so "
+                                         r"the task's tokens cannot be found in the model's vocabulary.* pass --token-map "
+                                         r"identity"):
         PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK)
     lm = PT.load_policy_model(ckpt("qwen2", with_tokenizer=False), TASK, token_map="identity")
     assert torch.equal(lm.token_ids, torch.arange(16)) and lm.model.vocab_size == 32
@@ -326,7 +326,7 @@ def test_bfloat16_autocast_loss_terms_and_log_probs_are_within_a_measured_tolera
 
 
 def _job(path, out, *extra):
-    T.main(["--model", str(path), "--out", str(out), *SMALL, *extra])
+    T.main(["--model", str(path), "--out", str(out), *SHORT, *extra])
     return T.read_metrics(out / "metrics.csv")
 
 
@@ -348,10 +348,10 @@ def test_the_job_trains_a_checkpoint_and_resumes_exactly(ckpt, tmp_path, arch):
     for key in _NOT_TIMING:
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full], rel=1e-5, abs=1e-7), key
     with pytest.raises(SystemExit):  # another --model: refused before anything is built, as an error line
-        T.main(["--out", str(tmp_path / "split"), "--iterations", "4", "--resume", *SMALL])
+        T.main(["--out", str(tmp_path / "split"), "--iterations", "4", "--resume", *SHORT])
     with pytest.raises(ValueError, match="was written by a run with --model .* but this run has --model ''"):
         T.train(T.TrainConfig(**{**vars(T.build_parser().parse_args(["--out", str(tmp_path / "split"),
-                                 "--iterations", "4", "--resume", *SMALL])), "allow_change": "model"}))
+                                 "--iterations", "4", "--resume", *SHORT])), "allow_change": "model"}))
 
 
 @pytest.mark.slow
@@ -369,16 +369,16 @@ def test_the_job_in_bfloat16_keeps_float32_master_weights_and_a_bf16_reference(c
 
 @pytest.mark.slow
 def test_the_preset_job_runs_in_bfloat16_too(tmp_path):
-    T.main(["--preset", "pico", "--iterations", "1", "--dtype", "bfloat16", "--out", str(tmp_path), *SMALL])
+    T.main(["--preset", "pico", "--iterations", "1", "--dtype", "bfloat16", "--out", str(tmp_path), *SHORT])
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert {v.dtype for v in state["reference"].values()} == {torch.bfloat16}
 
 
 def test_job_flags_are_checked_before_the_run(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no such directory"):
-        T.main(["--model", str(tmp_path / "nowhere"), "--iterations", "1", "--out", str(tmp_path / "o"), *SMALL])
+        T.main(["--model", str(tmp_path / "nowhere"), "--iterations", "1", "--out", str(tmp_path / "o"), *SHORT])
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        T.main(["--model", str(tmp_path), "--iterations", "1", "--out", str(tmp_path / "o"), *SMALL])
+        T.main(["--model", str(tmp_path), "--iterations", "1", "--out", str(tmp_path / "o"), *SHORT])
     with pytest.raises(ValueError, match="--grad-checkpointing needs --model DIR"):
         T.TrainConfig(grad_checkpointing=True)
     with pytest.raises(ValueError, match=r"TrainConfig dtype='float16' must be one of \('float32', 'bfloat16'\)"):

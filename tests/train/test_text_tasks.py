@@ -121,7 +121,8 @@ def test_load_reward_and_its_errors(tmp_path):
     assert load_reward(f"{path}:exact")("4", answer=4) == 1.0
     with pytest.raises(ValueError, match="must be FILE.py:function"):
         load_reward(str(path))
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match=r"--reward .*missing\.py:exact: no such file .*missing\.py; give "
+                                              r"FILE\.py:function"):
         load_reward(f"{tmp_path / 'missing.py'}:exact")
     with pytest.raises(AttributeError, match=r"has no function 'score' \(its functions: \['exact'\]\)"):
         load_reward(f"{path}:score")

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from _flags import SMALL
 
 from ppo_objectives import train as T
 from ppo_objectives.llm.env import TokenLMEnv
@@ -15,8 +16,6 @@ from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
-
-SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress"]
 
 
 def _pieces(seed=0, num_envs=16, **cfg_kw):

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _flags import SMALL
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from test_train import SMALL, _pieces
+from test_train import _pieces
 
 from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss

@@ -6,11 +6,11 @@ import shutil
 
 import numpy as np
 import pytest
+from _flags import SMALL
 
 from ppo_objectives import train as T
 from ppo_objectives.train import loggers
 
-SMALL = ["--preset", "pico", "--num-envs", "16", "--warmup-steps", "5", "--no-progress", "--no-plot"]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 needs_tensorboard = pytest.mark.skipif(
     not HAS_TENSORBOARD, reason='tensorboard is not installed (pip install "ppo_objectives[test]")'
@@ -18,7 +18,7 @@ needs_tensorboard = pytest.mark.skipif(
 
 
 def _run(out, iterations, *flags):
-    T.main(["--iterations", str(iterations), "--out", str(out), *SMALL, *flags])
+    T.main(["--iterations", str(iterations), "--out", str(out), *SMALL, "--no-plot", *flags])
     return T.read_metrics(out / "metrics.csv")
 
 
@@ -98,7 +98,7 @@ def test_a_missing_logger_package_is_a_clear_error_before_the_run_starts(tmp_pat
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == kind else find_spec(name, *a))
     out = tmp_path / "run"
-    err = cli_error(["--iterations", "1", "--out", str(out), "--logger", kind, *SMALL])
+    err = cli_error(["--iterations", "1", "--out", str(out), "--logger", kind, *SMALL, "--no-plot"])
     assert re.search(rf'--logger {kind} needs the {kind} package.*"ppo_objectives\[loggers\]"', err)
     assert not out.exists()  # raised before anything ran
 

@@ -1,8 +1,9 @@
 """Critic-free advantages (ppo_objectives.critic_free): GRPO, Dr. GRPO, RLOO, REINFORCE++.
 
-Each estimator is checked against a naive loop written here (Python floats, per group, per row),
-against the formula of verl / TRL / OpenRLHF transcribed here, for masked-garbage invariance, empty
-rows, groups of one, its error paths, and end to end through ``TokenPPOLoss(actor, None)``.
+Each estimator is checked against a naive loop (Python floats, per group, per row; REINFORCE++'s
+discounted sums are the testing kit's GAE loop), against the formula of verl / TRL / OpenRLHF
+transcribed here, for masked-garbage invariance, empty rows, groups of one, its error paths, and end
+to end through ``TokenPPOLoss(actor, None)``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from tensordict import TensorDict
 
 from ppo_objectives import TokenPPOLoss
 from ppo_objectives import functional as F
-from ppo_objectives.testing import assert_mask_invariant, make_mask, response_batch, tiny_actor_critic
+from ppo_objectives.testing import (
+    assert_mask_invariant,
+    make_mask,
+    reference_gae_response,
+    response_batch,
+    tiny_actor_critic,
+)
 from ppo_objectives.value import critic_free as CF
 
 GROUPS = [5, 5, 5, -2, -2, 40, 7, 7, 7, 7]  # sizes 3, 2, 1, 4; ids neither sorted nor contiguous
@@ -57,29 +64,18 @@ def _naive_group(scores, group, mask, kind: str, eps: float = 1e-6) -> torch.Ten
 
 
 def _naive_reinforce_pp(r, mask, gamma, *, scores=None, group=None, whiten=True) -> torch.Tensor:
-    """Per row: the reverse discounted sum over the valid tokens only; then whitening over every valid token."""
-    r, m = r.tolist(), mask.tolist()
-    base = [0.0] * len(r)
+    """Per row: the group's mean score taken off the last valid token's reward, then the reverse discounted sum
+    over the valid tokens only (the kit's GAE loop with zero values and lambda 1), whitened over every valid
+    token."""
+    r = r.double().clone()
     if scores is not None:
-        s = scores.tolist()
+        s, m = scores.tolist(), mask.tolist()
         for rows in _members(group.tolist()).values():
             for i in rows:
-                base[i] = sum(s[j] for j in rows) / len(rows)
-    out = [[0.0] * len(row) for row in r]
-    for b, row in enumerate(r):
-        valid = [t for t in range(len(row)) if m[b][t]]
-        acc = 0.0
-        for k, t in enumerate(reversed(valid)):
-            acc = row[t] - (base[b] if k == 0 else 0.0) + gamma * acc
-            out[b][t] = acc
-    if whiten:
-        vals = [out[b][t] for b in range(len(r)) for t in range(len(r[b])) if m[b][t]]
-        if vals:
-            mean = sum(vals) / len(vals)
-            var = sum((v - mean) ** 2 for v in vals) / len(vals)
-            out = [[(v - mean) / math.sqrt(var + 1e-8) if m[b][t] else 0.0 for t, v in enumerate(row)]
-                   for b, row in enumerate(out)]  # fmt: skip
-    return torch.tensor(out, dtype=torch.float64)
+                valid = [t for t in range(len(m[i])) if m[i][t]]
+                if valid:
+                    r[i, valid[-1]] -= sum(s[j] for j in rows) / len(rows)
+    return reference_gae_response(r, torch.zeros_like(r), mask, gamma, 1.0, average_gae=whiten)[0]
 
 
 # --------------------------------------------------------------------------- #
