@@ -91,7 +91,7 @@ def _timed(clock: PhaseClock, name, fn):
 
 def instrument(run, clock: PhaseClock) -> None:
     """Put the clock on every phase of the job's iteration (module functions, methods, this run's modules)."""
-    tr = update._TrustRegionUpdate
+    tr = update.TrustRegionUpdate
     loop.collect_batch = _timed(clock, ROLLOUT, loop.collect_batch)
     loop.release_host_memory = _timed(clock, "host memory trim", loop.release_host_memory)
     loop.ppo_update = _timed(clock, "update: rest (minibatch slicing, diagnostics)", loop.ppo_update)

@@ -273,7 +273,8 @@ from ppo_objectives.train.config import (
     check_launch,
 )
 from ppo_objectives.train.loggers import read_metrics
-from ppo_objectives.train.loop import TrainingCollapseWarning, main, plot_metrics, train
+from ppo_objectives.train.cli import main
+from ppo_objectives.train.loop import TrainingCollapseWarning, plot_metrics, train
 from ppo_objectives.train.rollout import collect_batch, rollout_batch, score_batch
 from ppo_objectives.train.update import ppo_update
 

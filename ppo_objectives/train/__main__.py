@@ -2,6 +2,6 @@
 
 import sys
 
-from ppo_objectives.train.loop import main
+from ppo_objectives.train.cli import main
 
 sys.exit(main())

@@ -190,6 +190,9 @@ class TrainConfig:
     logger: str = _f("none", "also log every metric to a TorchRL logger under OUT/logs (offline; rank 0); the "
                              'packages: pip install "ppo_objectives[loggers]"',
                      choices=("none", *LOGGERS))
+    loop: str = _f("job", "job: this package's loop (ppo_objectives.train.loop); torchrl: torchrl's Trainer with the "
+                          "job's steps as its hooks (ppo_objectives.train.trainer), the same metrics on the same seed",
+                   choices=("job", "torchrl"))
     threads: int = _rf("threads", "torch CPU threads for this run (0 = torch's default); one thread is fastest for "
                                   "tiny models, and far faster when other processes share the cores")
 
@@ -358,7 +361,7 @@ _HELP_GROUPS = {
     "KL": "the reference KL (in the reward, in the loss)",
     "critic": "the value function and GAE",
     "output": "what is written and shown",
-    "parallel": "collector workers, torchrun (DDP / FSDP2), threads",
+    "parallel": "collector workers, torchrun (DDP / FSDP2), threads, the loop (ours or torchrl's Trainer)",
 }
 
 
@@ -374,14 +377,14 @@ _GROUP_MEMBERS = {
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
-    "parallel": ("workers", "fsdp", "threads"),
+    "parallel": ("workers", "fsdp", "threads", "loop"),
 }
 
 
 #: The flags a ``--resume`` may change: they alter neither what the run computes nor its data (``--iterations``
 #: only upward). Any other difference from the checkpoint's configuration is refused unless ``--allow-change`` names it.
 RESUME_MAY_CHANGE = ("iterations", "resume", "out", "no_progress", "no_plot", "logger", "save_every", "threads",
-                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples")
+                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "loop")
 
 
 def check_launch(cfg: TrainConfig) -> None:

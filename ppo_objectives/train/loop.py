@@ -9,7 +9,6 @@ text tasks and a plot at the end.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import warnings
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from ppo_objectives.train import text_job
 from ppo_objectives.train.build import Run, build
 from ppo_objectives.train.checkpoints import checkpoint_state, rng_states, save_checkpoint, write_run_config
-from ppo_objectives.train.config import METRICS, TrainConfig, build_parser, check_launch, columns
+from ppo_objectives.train.config import METRICS, TrainConfig, check_launch, columns
 from ppo_objectives.train.distributed import (
     Dist,
     all_reduce,
@@ -66,23 +65,23 @@ def _train(cfg: TrainConfig, d: Dist) -> list[dict[str, float]]:
     run = build(cfg, d)
     # --- the loop: rollout -> update -> log -> checkpoint
     rows: list[dict[str, float]] = []
-    bar, logger = _reporters(cfg, d, run.start_it, run.out)  # rank 0: progress bar (unless --no-progress), --logger
+    bar, logger = reporters(cfg, d, run.start_it, run.out)  # rank 0: progress bar (unless --no-progress), --logger
     try:
         if run.evaluation is not None and run.start_it == 0:  # the pretrained model before any update: row 0
-            rows.append(_log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
+            rows.append(log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
         train_s = 0.0  # rollouts and updates since this process started (--time-limit)
         for it in range(run.start_it, cfg.iterations):
             row = _iteration(run, it)
             train_s += row["rollout_s"] + row["reference_s"] + row["update_s"]
-            last = it + 1 == cfg.iterations or _out_of_time(cfg, train_s, d.group, run.device)
+            last = it + 1 == cfg.iterations or out_of_time(cfg, train_s, d.group, run.device)
             if run.evaluation is not None:  # held-out accuracy of the updated policy (text tasks)
-                row.update(_evaluate_if_due(run, it + 1, last, train_s))
+                row.update(evaluate_if_due(run, it + 1, last, train_s))
             # the collapse guard's warn_* / collapse columns and warning lines; metrics.csv, --logger, the bar
             step = row["rollout_s"] + row["reference_s"] + row["update_s"] if cfg.time_limit else 1
-            rows.append(_log_iteration(row, run.guard, d, run.out, bar, logger, columns(cfg), step))
+            rows.append(log_iteration(row, run.guard, d, run.out, bar, logger, columns(cfg), step))
             # checkpoint (and plot; text tasks: the Hugging Face export) every --save-every iterations and at the end
             if (it + 1) % cfg.save_every == 0 or last:
-                _save(run, it + 1)
+                save_run(run, it + 1)
             if last:
                 break
         ac = run.ac
@@ -90,11 +89,11 @@ def _train(cfg: TrainConfig, d: Dist) -> list[dict[str, float]]:
         if d.group is not None and d.main:
             print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
     finally:  # --- teardown
-        _close_reporters(bar, logger)
+        close_reporters(bar, logger)
         run.collector.shutdown()
         run.loss_module = None
         run.ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
-    _finish(cfg, d, run.guard, run.out)
+    finish_run(cfg, d, run.guard, run.out)
     return rows
 
 
@@ -125,7 +124,7 @@ def _iteration(run: Run, it: int) -> dict[str, float]:
                 update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9), **stats)
 
 
-def _evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dict[str, float]:
+def evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dict[str, float]:
     """The held-out evaluation after ``iteration`` when it is due (every ``--eval-every`` iterations, or each time
     another ``--eval-minutes`` of training time have passed, and after the last iteration); else nan columns."""
     cfg = run.cfg
@@ -141,7 +140,7 @@ def _evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> di
     return run.evaluation(run.ac.actor_model, iteration, "after the update")
 
 
-def _out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> bool:
+def out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> bool:
     """``--time-limit`` reached (on any rank's clock under torchrun, so every rank stops together)."""
     if not cfg.time_limit:
         return False
@@ -149,7 +148,7 @@ def _out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> 
     return bool(all_reduce(flag, pg, dist.ReduceOp.MAX))
 
 
-def _save(run: Run, iteration: int) -> None:
+def save_run(run: Run, iteration: int) -> None:
     """``checkpoint.pt`` and the plot; for a text task also the actor as a Hugging Face directory, ``OUT/hf``."""
     rng = rng_states(run.gen, run.env._generator, run.device)
     _checkpoint(iteration, run.cfg, run.d, run.stateful, rng, run.out)
@@ -162,7 +161,7 @@ def plot_metrics(csv_path: Path, png_path: Path) -> None:
     _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
-def _log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> dict:
+def log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> dict:
     """Row 0 of a text run: the held-out evaluation of the pretrained model, before any rollout (its other
     columns are nan, which the collapse guard and the plot skip)."""
     row = {**dict.fromkeys(columns(cfg), math.nan), "iteration": 0, **evaluated}
@@ -174,7 +173,7 @@ def _log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) ->
     return row
 
 
-def _reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
+def reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
     """Rank 0's progress bar (``None`` with ``--no-progress``) and ``--logger``'s TorchRL logger
     (``None`` without one; under ``out/logs``, named after ``out``, continuing after ``start_it``)."""
     if not d.main:
@@ -189,13 +188,13 @@ def _reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
     return tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True), logger
 
 
-def _close_reporters(bar, logger) -> None:
+def close_reporters(bar, logger) -> None:
     if bar is not None:
         bar.close()
     close_logger(logger)
 
 
-def _log_iteration(row: dict, guard: CollapseGuard, d: Dist, out: Path, bar, logger=None,
+def log_iteration(row: dict, guard: CollapseGuard, d: Dist, out: Path, bar, logger=None,
                    columns: tuple = METRICS, bar_step: float = 1) -> dict:
     """Add the collapse guard's columns to ``row``; on rank 0 append it to ``metrics.csv``, send it to
     the ``--logger`` (step: the iteration) and print the guard's warnings; show it on the progress bar.
@@ -227,7 +226,7 @@ def _checkpoint(iteration: int, cfg: TrainConfig, d: Dist, stateful: dict, rng: 
             plot_metrics(out / "metrics.csv", out / "training.png")
 
 
-def _finish(cfg: TrainConfig, d: Dist, guard: CollapseGuard, out: Path) -> None:
+def finish_run(cfg: TrainConfig, d: Dist, guard: CollapseGuard, out: Path) -> None:
     """The final plot, and a :class:`TrainingCollapseWarning` (issued from :func:`train`) when the run collapsed."""
     csv_path = out / "metrics.csv"
     if d.main and not cfg.no_plot and csv_path.exists():
@@ -239,41 +238,3 @@ def _finish(cfg: TrainConfig, d: Dist, guard: CollapseGuard, out: Path) -> None:
 
 class TrainingCollapseWarning(RuntimeWarning):
     """Raised (as a warning) at the end of a run that went through a collapse (:class:`CollapseGuard`)."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:  # a configuration this run cannot honour is an error line, not a traceback
-        cfg = TrainConfig(**vars(args))
-        check_launch(cfg)
-    except (ValueError, TypeError, ImportError, OSError, RuntimeError) as err:
-        parser.error(str(err))
-    t0 = time.perf_counter()
-    rows = train(cfg)
-    if rows and int(os.environ.get("RANK", 0)) == 0:
-        print(_summary(rows, time.perf_counter() - t0, cfg))
-    return 0
-
-
-def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
-    """The run's last line: reward start -> end, held-out accuracy (text tasks), speed, failures."""
-    evals = [r for r in rows if not math.isnan(r.get("eval_greedy", math.nan))]
-    rows = [r for r in rows if r["iteration"] > 0]
-    if not rows:
-        return f"no iteration run; metrics in {Path(cfg.out) / 'metrics.csv'}"
-    k = min(5, len(rows))
-    first = sum(r["reward"] for r in rows[:k]) / k
-    last = sum(r["reward"] for r in rows[-k:]) / k
-    collapsed = sum(int(r["collapse"]) for r in rows)
-    spikes = sum(int(r["warn_kl_spike"]) for r in rows)
-    held_out = ""
-    if len(evals) > 1:
-        held_out = (f"held-out greedy {evals[0]['eval_greedy']:.3f} -> {evals[-1]['eval_greedy']:.3f}, sampled "
-                    f"{evals[0]['eval_sampled']:.3f} -> {evals[-1]['eval_sampled']:.3f}; ")
-    return (
-        f"reward (mean of {k} iterations): start {first:.3f} -> end {last:.3f}; "
-        f"exact-match at the end {rows[-1]['exact']:.2f}; {held_out}{len(rows)} iterations in "
-        f"{wall:.0f}s ({len(rows) / wall:.2f} it/s); collapsed iterations {collapsed}, KL spikes {spikes}; "
-        f"metrics in {Path(cfg.out) / 'metrics.csv'}"
-    )

@@ -54,7 +54,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     trunk included), so there is no trust region to hold.
     """
     B = llm.batch_size[0]
-    u = _TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group, critic_only=critic_only)
+    u = TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group, critic_only=critic_only)
     # minibatches per epoch: the same on every rank, none empty on the rank with the most rows
     most_rows = all_reduce(torch.tensor(B, device=llm.device), process_group, dist.ReduceOp.MAX)
     n_minibatches = min(cfg.minibatches, int(most_rows))  # 0 for an empty batch: no step at all
@@ -88,7 +88,7 @@ _LOGGED = ("loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entr
            "max_ratio", "ESS", "value_clip_fraction", "explained_variance")  # fmt: skip
 
 
-class _TrustRegionUpdate:
+class TrustRegionUpdate:
     """What one :func:`ppo_update` measures, steps, pulls back and counts (see its docstring).
 
     Every decision (stop, skip, pull back) is taken on numbers all-reduced over
