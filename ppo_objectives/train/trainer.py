@@ -7,21 +7,19 @@ must be applied once per batch, and push weights from ``loss_module.actor_networ
 in-process collector cannot take; ``GRPOTrainer`` without its vLLM weight sender and replay
 buffer is ``Trainer``). One collected batch runs these stages, in TorchRL's order:
 
-==================== ===================================================================
-``batch_process``    collector rows -> response layout, ``V_old``, ``KLPenaltyTransform``,
-                     ``MaskedGAE`` (:func:`~ppo_objectives.train.rollout.score_batch`)
-``pre_optim_steps``  a fresh approx-KL trust region (:class:`~ppo_objectives.train.update.TrustRegionUpdate`)
-``pre_epoch``        the minibatch permutation of the epoch, from the run's generator
-``process_optim_batch``  the next minibatch; ``StopIteration`` ends the epoch (and every
-                     epoch once the trust region stopped the update)
-optimization stepper :class:`TrustRegionStepper`: forward, trust-region check (pull back and
-                     stop), non-finite guards, backward, per-model clipping, both AdamW steps
-``post_steps``       the last step's trust-region check, then the KL controller, then
-                     TorchRL's ``UpdateWeights`` for collector workers (rolled-back steps are
-                     never pushed)
-``post_steps_log``   the iteration's row: held-out evaluation, collapse guard, ``metrics.csv``,
-                     the TorchRL logger, checkpoints, and ``request_stop`` after ``--iterations``
-==================== ===================================================================
+- ``batch_process``: collector rows -> response layout, ``V_old``, ``KLPenaltyTransform``,
+  ``MaskedGAE`` (:func:`~ppo_objectives.train.rollout.score_batch`);
+- ``pre_optim_steps``: a fresh approx-KL trust region
+  (:class:`~ppo_objectives.train.update.TrustRegionUpdate`);
+- ``pre_epoch``: the minibatch permutation of the epoch, from the run's generator;
+- ``process_optim_batch``: the next minibatch; ``StopIteration`` ends the epoch (and every
+  epoch once the trust region stopped the update);
+- the optimization stepper, :class:`TrustRegionStepper`: forward, trust-region check (pull
+  back and stop), non-finite guards, backward, per-model clipping, both AdamW steps;
+- ``post_steps``: the last step's trust-region check, then the KL controller, then TorchRL's
+  ``UpdateWeights`` for collector workers (rolled-back steps are never pushed);
+- ``post_steps_log``: the iteration's row: held-out evaluation, collapse guard,
+  ``metrics.csv``, the TorchRL logger, checkpoints, and ``request_stop`` after ``--iterations``.
 
 On the same configuration and seed its ``metrics.csv`` equals the job's (``python -m
 ppo_objectives.train``) in every column but the timings: the same generator draws the same
