@@ -1155,7 +1155,7 @@ def rollout_correction_weights(
     When the rollouts come from an inference engine (vLLM, ...) or a stale
     policy, the sampling log-probs ``rollout_log_prob`` differ from the trainer's
     old-policy log-probs ``sample_log_prob``. With the per-token ratio
-    ``w_t = pi_old / pi_rollout = exp(old_logps_t - rollout_logps_t)`` over the
+    ``w_t = pi_old / pi_rollout = exp(sample_log_prob_t - rollout_log_prob_t)`` over the
     valid tokens, and ``C = threshold_high``, ``c = threshold_low``::
 
         token-tis:  W_t = min(w_t, C)                                       truncated IS
