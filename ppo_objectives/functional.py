@@ -1458,7 +1458,7 @@ def _checked_masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estima
     clamp = _validate.check_kl_options(estimator, clamp)
     lp, ref = L.masked_log_probs(m, log_prob, ref_log_prob)
     _validate.check_log_probs(dict(log_prob=lp, ref_log_prob=ref))
-    return L.masked_kl(log_prob, ref_log_prob, m, estimator, clamp)
+    return L.masked_kl(lp, ref, m, estimator, clamp)
 
 
 

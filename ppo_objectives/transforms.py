@@ -400,7 +400,7 @@ class KLPenaltyTransform(Transform):
         """The per-token KL of a checked batch (0 at masked positions), once its valid values read as log-probs."""
         lp, ref_lp = L.masked_log_probs(m, logp, ref)
         _validate.check_log_probs(dict(sample_log_prob=lp, ref_log_prob=ref_lp), where="KLPenaltyTransform")
-        return L.masked_kl(logp, ref, m, self.estimator, self.clamp)
+        return L.masked_kl(lp, ref_lp, m, self.estimator, self.clamp)
 
     def _record(self, kls: list[Tensor], masks: list[Tensor]) -> None:
         """Observed KL of what was just penalised (detached): masked token mean, mean per-response sum."""

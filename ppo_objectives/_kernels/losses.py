@@ -118,9 +118,9 @@ def reference_kl(
 
 
 def masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estimator: str, clamp: float | None) -> Tensor:
-    """``functional.masked_kl_estimate``: per token, exactly 0 at masked positions."""
-    lp, ref = masked_log_probs(m, log_prob, ref_log_prob)
-    kl = kl_estimate(lp, ref, estimator, clamp)
+    """``functional.masked_kl_estimate`` of the masked log-probs of :func:`masked_log_probs`: per token, exactly 0
+    at masked positions."""
+    kl = kl_estimate(log_prob, ref_log_prob, estimator, clamp)
     return torch.where(m, kl + 0.0, torch.zeros((), dtype=kl.dtype, device=kl.device))  # + 0.0: no -0.0
 
 

@@ -8,6 +8,7 @@ text tasks and a plot at the end.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -49,50 +50,54 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
     Under ``torchrun`` (``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` set) every process runs this
     as one rank of a data-parallel job and gets the same rows (all-reduced over the ranks).
     """
+    return run_training(cfg, _train)
+
+
+def run_training(cfg: TrainConfig, body) -> list[dict[str, float]]:
+    """The frame of a run: the launch checks, ``--threads``, the process group around ``body(cfg, d) -> rows``."""
     check_launch(cfg)
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     d = init_distributed(cfg.device)
     try:
-        return _train(cfg, d)
+        return body(cfg, d)
     finally:
         torch.set_num_threads(threads_before)
-        close_distributed(d)  # _train has returned: its DDP wrappers are freed while the group is alive
+        close_distributed(d)  # body has returned: its DDP wrappers are freed while the group is alive
+
+
+@contextlib.contextmanager
+def started(cfg: TrainConfig, d: Dist):
+    """``(run, rows, bar, logger)`` of a built run with its reporters (rank 0: the progress bar unless
+    ``--no-progress``, ``--logger``) and, for a text task from its start, row 0 (the pretrained model's held-out
+    evaluation); on exit the reporters are closed, the collector shut down and the DDP reducers freed."""
+    run = build(cfg, d)
+    rows: list[dict[str, float]] = []
+    bar, logger = _reporters(cfg, d, run.start_it, run.out)
+    try:
+        if run.evaluation is not None and run.start_it == 0:
+            rows.append(_log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
+        yield run, rows, bar, logger
+    finally:
+        _close_reporters(bar, logger)
+        run.collector.shutdown()
+        run.loss_module = None
+        run.ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
 
 
 def _train(cfg: TrainConfig, d: Dist) -> list[dict[str, float]]:
-    run = build(cfg, d)
-    # --- the loop: rollout -> update -> log -> checkpoint
-    rows: list[dict[str, float]] = []
-    bar, logger = reporters(cfg, d, run.start_it, run.out)  # rank 0: progress bar (unless --no-progress), --logger
-    try:
-        if run.evaluation is not None and run.start_it == 0:  # the pretrained model before any update: row 0
-            rows.append(log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
+    with started(cfg, d) as (run, rows, bar, logger):  # --- the loop: rollout -> update -> log -> checkpoint
         train_s = 0.0  # rollouts and updates since this process started (--time-limit)
         for it in range(run.start_it, cfg.iterations):
-            row = _iteration(run, it)
-            train_s += row["rollout_s"] + row["reference_s"] + row["update_s"]
-            last = it + 1 == cfg.iterations or out_of_time(cfg, train_s, d.group, run.device)
-            if run.evaluation is not None:  # held-out accuracy of the updated policy (text tasks)
-                row.update(evaluate_if_due(run, it + 1, last, train_s))
-            # the collapse guard's warn_* / collapse columns and warning lines; metrics.csv, --logger, the bar
-            step = row["rollout_s"] + row["reference_s"] + row["update_s"] if cfg.time_limit else 1
-            rows.append(log_iteration(row, run.guard, d, run.out, bar, logger, columns(cfg), step))
-            # checkpoint (and plot; text tasks: the Hugging Face export) every --save-every iterations and at the end
-            if (it + 1) % cfg.save_every == 0 or last:
-                save_run(run, it + 1)
+            row, train_s, last = end_iteration(run, it, _iteration(run, it), train_s, bar, logger)
+            rows.append(row)
             if last:
                 break
         ac = run.ac
         check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], d.group)
         if d.group is not None and d.main:
             print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
-    finally:  # --- teardown
-        close_reporters(bar, logger)
-        run.collector.shutdown()
-        run.loss_module = None
-        run.ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
     finish_run(cfg, d, run.guard, run.out)
     return rows
 
@@ -112,19 +117,42 @@ def _iteration(run: Run, it: int) -> dict[str, float]:
     stats = ppo_update(llm, run.loss_module, run.ac, run.optimizers, cfg, run.gen, process_group=pg,
                        critic_only=it < cfg.critic_warmup)
     t2 = time.perf_counter()
-    # 3. KL coefficient update (on the all-rank KL: beta stays identical on every rank); the
-    #    collector's policy shares the weights (in-process) or receives them (worker processes)
-    roll = rollout_stats(llm, run.kl_transform, pg)
-    coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
-    n_tok = roll.pop("tokens")
+    # 3. KL coefficient update; the collector's policy shares the weights (in-process) or receives them (workers)
+    row = close_iteration(run, it, llm, dict(rollout_s=t_ref - t0, reference_s=t1 - t_ref, update_s=t2 - t1), stats)
     if cfg.workers > 1:
         run.collector.update_policy_weights_()
     release_host_memory()  # the rollout's and the update's freed host memory, back to the system
-    return dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0, reference_s=t1 - t_ref,
-                update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9), **stats)
+    return row
 
 
-def evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dict[str, float]:
+def close_iteration(run: Run, it: int, llm, times: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
+    """After the update: the rollout's statistics, the in-reward KL coefficient's update (on the all-rank KL: beta
+    stays identical on every rank) and the iteration's row (``times``: ``rollout_s``, ``reference_s``,
+    ``update_s``; ``stats``: the update's)."""
+    roll = rollout_stats(llm, run.kl_transform, run.d.group)
+    coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
+    n_tok = roll.pop("tokens")
+    return dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), **times,
+                tokens_per_s=n_tok / max(times["rollout_s"], 1e-9), **stats)  # fmt: skip
+
+
+def end_iteration(run: Run, it: int, row: dict, train_s: float, bar, logger) -> tuple[dict, float, bool]:
+    """The end of iteration ``it``: the held-out evaluation when due (text tasks), the collapse guard's columns and
+    warning lines, metrics.csv / ``--logger`` / the bar, the checkpoint every ``--save-every`` iterations and at
+    the end. Returns ``(logged row, training seconds so far, whether it was the last iteration)``."""
+    cfg = run.cfg
+    spent = row["rollout_s"] + row["reference_s"] + row["update_s"]
+    train_s += spent
+    last = it + 1 == cfg.iterations or _out_of_time(cfg, train_s, run.d.group, run.device)
+    if run.evaluation is not None:  # held-out accuracy of the updated policy
+        row.update(_evaluate_if_due(run, it + 1, last, train_s))
+    row = _log_iteration(row, run.guard, run.d, run.out, bar, logger, columns(cfg), spent if cfg.time_limit else 1)
+    if (it + 1) % cfg.save_every == 0 or last:  # checkpoint and plot; text tasks: the Hugging Face export
+        _save(run, it + 1)
+    return row, train_s, last
+
+
+def _evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dict[str, float]:
     """The held-out evaluation after ``iteration`` when it is due (every ``--eval-every`` iterations, or each time
     another ``--eval-minutes`` of training time have passed, and after the last iteration); else nan columns."""
     cfg = run.cfg
@@ -140,7 +168,7 @@ def evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dic
     return run.evaluation(run.ac.actor_model, iteration, "after the update")
 
 
-def out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> bool:
+def _out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> bool:
     """``--time-limit`` reached (on any rank's clock under torchrun, so every rank stops together)."""
     if not cfg.time_limit:
         return False
@@ -148,7 +176,7 @@ def out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> b
     return bool(all_reduce(flag, pg, dist.ReduceOp.MAX))
 
 
-def save_run(run: Run, iteration: int) -> None:
+def _save(run: Run, iteration: int) -> None:
     """``checkpoint.pt`` and the plot; for a text task also the actor as a Hugging Face directory, ``OUT/hf``."""
     rng = rng_states(run.gen, run.env._generator, run.device)
     _checkpoint(iteration, run.cfg, run.d, run.stateful, rng, run.out)
@@ -161,7 +189,7 @@ def plot_metrics(csv_path: Path, png_path: Path) -> None:
     _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
-def log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> dict:
+def _log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> dict:
     """Row 0 of a text run: the held-out evaluation of the pretrained model, before any rollout (its other
     columns are nan, which the collapse guard and the plot skip)."""
     row = {**dict.fromkeys(columns(cfg), math.nan), "iteration": 0, **evaluated}
@@ -173,7 +201,7 @@ def log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> 
     return row
 
 
-def reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
+def _reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
     """Rank 0's progress bar (``None`` with ``--no-progress``) and ``--logger``'s TorchRL logger
     (``None`` without one; under ``out/logs``, named after ``out``, continuing after ``start_it``)."""
     if not d.main:
@@ -188,13 +216,13 @@ def reporters(cfg: TrainConfig, d: Dist, start_it: int, out: Path) -> tuple:
     return tqdm(total=cfg.iterations, initial=start_it, desc="ppo", dynamic_ncols=True), logger
 
 
-def close_reporters(bar, logger) -> None:
+def _close_reporters(bar, logger) -> None:
     if bar is not None:
         bar.close()
     close_logger(logger)
 
 
-def log_iteration(row: dict, guard: CollapseGuard, d: Dist, out: Path, bar, logger=None,
+def _log_iteration(row: dict, guard: CollapseGuard, d: Dist, out: Path, bar, logger=None,
                    columns: tuple = METRICS, bar_step: float = 1) -> dict:
     """Add the collapse guard's columns to ``row``; on rank 0 append it to ``metrics.csv``, send it to
     the ``--logger`` (step: the iteration) and print the guard's warnings; show it on the progress bar.

@@ -33,19 +33,16 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import OptimizationStepper, Trainer, UpdateWeights
 
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
-from ppo_objectives.train.build import Run, build
-from ppo_objectives.train.config import TrainConfig, check_launch, columns
-from ppo_objectives.train.distributed import all_reduce, close_distributed, init_distributed, release_host_memory
-from ppo_objectives.train.loop import (
-    close_reporters, evaluate_if_due, finish_run, log_iteration, log_start, out_of_time, reporters, save_run,
-)  # fmt: skip
-from ppo_objectives.train.rollout import rollout_stats, score_batch
-from ppo_objectives.train.update import TrustRegionUpdate
+from ppo_objectives.train.build import Run
+from ppo_objectives.train.config import TrainConfig
+from ppo_objectives.train.distributed import release_host_memory
+from ppo_objectives.train.loop import close_iteration, end_iteration, finish_run, run_training, started
+from ppo_objectives.train.rollout import score_batch
+from ppo_objectives.train.update import TrustRegionUpdate, minibatch_count
 
 __all__ = ["TrustRegionStepper", "make_trainer", "train_with_trainer"]
 
@@ -56,9 +53,9 @@ class _Shared:
     def __init__(self, run: Run):
         self.run, self.it = run, run.start_it
         self.t_end = time.perf_counter()  # end of the previous iteration: the rollout started then
-        self.times, self.roll, self.stats, self.train_s = {}, {}, {}, 0.0
-        self.llm = self.u = self.coeff = None
-        self.epoch = self.j = self.most_rows = self.n_tok = 0
+        self.times, self.stats, self.train_s = {}, {}, 0.0
+        self.llm = self.u = self.row = None
+        self.epoch = self.j = self.n_minibatches = 0
 
 
 class _Rollout:
@@ -86,7 +83,7 @@ class _Minibatches:
     def new_epoch(self, batch: TensorDictBase) -> TensorDictBase:
         """The job's ``randperm(B, generator=gen)`` split in ``min(minibatches, most rows of any rank)`` parts;
         none once the trust region stopped the update. Returns the batch (``Trainer`` keeps what it gets)."""
-        n = min(self.s.run.cfg.minibatches, self.s.most_rows)
+        n = self.s.n_minibatches
         self.j, self.parts = 0, []
         if not self.s.u.stopped and n:
             perm = torch.randperm(batch.batch_size[0], generator=self.s.run.gen).to(batch.device)
@@ -120,23 +117,12 @@ class TrustRegionStepper(OptimizationStepper):
         """``pre_optim_steps``: a fresh trust region for the collected batch."""
         s, run = self.s, self.s.run
         s.t_update, s.epoch = time.perf_counter(), -1
-        rows = torch.tensor(s.llm.batch_size[0], device=s.llm.device)
-        s.most_rows = int(all_reduce(rows, run.d.group, dist.ReduceOp.MAX))
+        s.n_minibatches = minibatch_count(s.llm.batch_size[0], run.cfg, s.llm.device, run.d.group)
         s.u = TrustRegionUpdate(run.loss_module, run.ac, run.optimizers, run.cfg, run.d.group,
                                 critic_only=s.it < run.cfg.critic_warmup)  # fmt: skip
 
     def step(self, trainer: Trainer, mb: TensorDictBase) -> TensorDictBase:
-        u, cfg, s = self.s.u, self.s.run.cfg, self.s
-        out = u.loss(mb)
-        total, kl_now, nonfinite = u.measure(out, mb)
-        if cfg.early_stop_kl and kl_now > cfg.early_stop_kl:
-            u.stop(mb)
-        elif nonfinite:
-            u.skip_non_finite_loss(out, total, s.epoch, s.j)
-        else:
-            grad_norm = u.backward(total, s.epoch, s.j)
-            if grad_norm is not None:
-                u.step(out, grad_norm)
+        kl_now = self.s.u.minibatch(mb, self.s.epoch, self.s.j)
         return TensorDict({"kl_approx": torch.tensor(kl_now)}, [])
 
     def finish(self) -> None:
@@ -155,40 +141,27 @@ class TrustRegionStepper(OptimizationStepper):
             o.load_state_dict(state_dict[f"optimizer{i}"])
 
 
-def _kl_controller(s: _Shared):
-    """``post_steps``: the rollout's statistics and the in-reward KL coefficient's update."""
+def _close_iteration(s: _Shared):
+    """``post_steps``, after the stepper's check: the KL controller's update and the iteration's row."""
 
     def hook() -> None:
-        run = s.run
-        s.roll = rollout_stats(s.llm, run.kl_transform, run.d.group)
-        s.coeff = run.controller.update(s.roll.pop("seq_kl_t"), n_steps=int(s.roll["episodes"]))
-        s.n_tok = s.roll.pop("tokens")
+        s.row = close_iteration(s.run, s.it, s.llm, s.times, s.stats)
 
     return hook
 
 
 class _IterationLog:
-    """``post_steps_log``: the iteration's row (evaluation, collapse guard, metrics.csv, logger, progress bar),
-    the checkpoint every ``save_every`` iterations, and the stop after ``--iterations`` or ``--time-limit``."""
+    """``post_steps_log``: the end of the iteration (evaluation, collapse guard, metrics.csv, logger, progress bar,
+    checkpoint), then the stop after ``--iterations`` or ``--time-limit``."""
 
     def __init__(self, s: _Shared, trainer: Trainer, bar, logger):
         self.s, self.trainer, self.bar, self.logger, self.rows = s, trainer, bar, logger, []
 
     def __call__(self, batch: TensorDictBase) -> None:
-        s, run = self.s, self.s.run
-        cfg, t = run.cfg, s.times
+        s = self.s
         release_host_memory()
-        row = dict(iteration=s.it + 1, **s.roll, kl_reward_coeff=float(s.coeff), **t,
-                   tokens_per_s=s.n_tok / max(t["rollout_s"], 1e-9), **s.stats)  # fmt: skip
-        spent = t["rollout_s"] + t["reference_s"] + t["update_s"]
-        s.train_s += spent
-        last = s.it + 1 == cfg.iterations or out_of_time(cfg, s.train_s, run.d.group, run.device)
-        if run.evaluation is not None:
-            row.update(evaluate_if_due(run, s.it + 1, last, s.train_s))
-        step = spent if cfg.time_limit else 1
-        self.rows.append(log_iteration(row, run.guard, run.d, run.out, self.bar, self.logger, columns(cfg), step))
-        if (s.it + 1) % cfg.save_every == 0 or last:
-            save_run(run, s.it + 1)
+        row, s.train_s, last = end_iteration(s.run, s.it, s.row, s.train_s, self.bar, self.logger)
+        self.rows.append(row)
         s.it += 1
         if last:
             self.trainer.request_stop("iterations done")
@@ -226,7 +199,7 @@ def make_trainer(run: Run, bar=None, logger=None) -> tuple[Trainer, list[dict]]:
     trainer.register_op("pre_epoch", minibatches.new_epoch)
     trainer.register_op("process_optim_batch", minibatches)
     trainer.register_op("post_steps", stepper.finish)  # the rollback comes before any weight push
-    trainer.register_op("post_steps", _kl_controller(s))
+    trainer.register_op("post_steps", _close_iteration(s))
     if cfg.workers > 1:
         UpdateWeights(run.collector, 1).register(trainer)  # collector.update_policy_weights_()
     log = _IterationLog(s, trainer, bar, logger)
@@ -236,30 +209,16 @@ def make_trainer(run: Run, bar=None, logger=None) -> tuple[Trainer, list[dict]]:
 
 
 def train_with_trainer(cfg: TrainConfig) -> list[dict[str, float]]:
-    """:func:`~ppo_objectives.train.loop.train` with TorchRL's ``Trainer`` as the loop: the same checks,
-    threads, process group, reporters and rows (row 0 of a text task's start evaluation included)."""
+    """:func:`~ppo_objectives.train.loop.train` with TorchRL's ``Trainer`` as the loop: the same frame
+    (:func:`~ppo_objectives.train.loop.run_training`: checks, threads, process group), the same start and teardown
+    (:func:`~ppo_objectives.train.loop.started`: reporters, a text task's row 0) and rows."""
     _refuse_fsdp(cfg, "train_with_trainer")
-    check_launch(cfg)
-    threads_before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    d = init_distributed(cfg.device)
-    try:
-        run = build(cfg, d)
-        bar, logger = reporters(cfg, d, run.start_it, run.out)
-        rows = []
-        try:
-            if run.evaluation is not None and run.start_it == 0:
-                rows.append(log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
-            trainer, trained = make_trainer(run, bar, logger)
-            if run.start_it < cfg.iterations:
-                trainer.train()
-            rows += trained
-        finally:
-            close_reporters(bar, logger)
-            run.collector.shutdown()
-            run.ddp_wrappers.clear()
-        return rows
-    finally:
-        torch.set_num_threads(threads_before)
-        close_distributed(d)
+    return run_training(cfg, _train_with_trainer)
+
+
+def _train_with_trainer(cfg: TrainConfig, d) -> list[dict[str, float]]:
+    with started(cfg, d) as (run, rows, bar, logger):
+        trainer, trained = make_trainer(run, bar, logger)
+        if run.start_it < cfg.iterations:
+            trainer.train()
+    return rows + trained

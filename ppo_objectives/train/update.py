@@ -55,30 +55,27 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     """
     B = llm.batch_size[0]
     u = TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group, critic_only=critic_only)
-    # minibatches per epoch: the same on every rank, none empty on the rank with the most rows
-    most_rows = all_reduce(torch.tensor(B, device=llm.device), process_group, dist.ReduceOp.MAX)
-    n_minibatches = min(cfg.minibatches, int(most_rows))  # 0 for an empty batch: no step at all
+    n_minibatches = minibatch_count(B, cfg, llm.device, process_group)
     mb = None
     for epoch in range(cfg.ppo_epochs if n_minibatches else 0):
         perm = torch.randperm(B, generator=generator).to(llm.device)
         for j, idx in enumerate(torch.tensor_split(perm, n_minibatches)):
             mb = llm[idx]
-            out = u.loss(mb)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
-            total, kl_now, nonfinite = u.measure(out, mb)  # over all ranks
-            if cfg.early_stop_kl and kl_now > cfg.early_stop_kl:
-                u.stop(mb)  # this minibatch's step is not taken, nor any later one; the crossing one is pulled back
+            u.minibatch(mb, epoch, j)
+            if u.stopped:  # this minibatch's step is not taken, nor any later one; the crossing one is pulled back
                 break
-            if nonfinite:
-                u.skip_non_finite_loss(out, total, epoch, j)
-                continue
-            grad_norm = u.backward(total, epoch, j)  # clipped; None when a norm is not finite (step skipped)
-            if grad_norm is not None:
-                u.step(out, grad_norm)
         if u.stopped:
             break
     if u.rollback and u.steps and not u.stopped:  # the policy after the last step: one more forward
         u.check_last_step(mb)
     return u.stats(llm.device)
+
+
+def minibatch_count(rows: int, cfg: TrainConfig, device: torch.device, process_group) -> int:
+    """Minibatches per epoch: the same on every rank, none empty on the rank with the most rows (0 for an empty
+    batch: no step at all)."""
+    most_rows = all_reduce(torch.tensor(rows, device=device), process_group, dist.ReduceOp.MAX)
+    return min(cfg.minibatches, int(most_rows))
 
 
 _BACKTRACK = (0.5, 0.25, 0.125)  # fractions of a crossing step tried before it is undone (TRPO's backtracking)
@@ -111,6 +108,21 @@ class TrustRegionUpdate:
         self.last: dict | None = None  # the last step's logged numbers
         self.first: dict | None = None  # the first finite forward's
         self.kept = 1.0  # fraction of the crossing step kept by the trust region (1: nothing crossed)
+
+    def minibatch(self, mb: TensorDictBase, epoch: int, j: int) -> float:
+        """One minibatch: the forward, the trust-region check (past ``early_stop_kl``: stop, and the crossing step
+        is pulled back), the non-finite guards, the clipped step. Returns its ``kl_approx`` over all ranks."""
+        out = self.loss(mb)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
+        total, kl_now, nonfinite = self.measure(out, mb)  # over all ranks
+        if self.cfg.early_stop_kl and kl_now > self.cfg.early_stop_kl:
+            self.stop(mb)
+        elif nonfinite:
+            self.skip_non_finite_loss(out, total, epoch, j)
+        else:
+            grad_norm = self.backward(total, epoch, j)  # clipped; None when a norm is not finite (step skipped)
+            if grad_norm is not None:
+                self.step(out, grad_norm)
+        return kl_now
 
     def loss(self, mb: TensorDictBase) -> TensorDictBase:
         """The loss terms on minibatch ``mb``, divided by its valid-token count over all ranks."""
