@@ -2,7 +2,7 @@
 
 One iteration (MiniMind's PPO stage, on TorchRL components)::
 
-    collector (Collector / MultiSyncCollector) drives TokenLMEnv with the actor
+    collector (Collector / MultiSyncCollector / Ray) drives TokenLMEnv with the actor
         -> per-token batch [N, T]                       one step = one token
     trajectories_to_llm_batch                           -> LLM layout [B, R] + mask
     critic (no grad)                                    -> state_value [B, R]   (V_old)
@@ -32,6 +32,17 @@ the non-finite guard decide on global numbers (all ranks stop and skip together)
 and the logged metrics are over all ranks. Only rank 0 writes metrics, plot and
 checkpoint; the run ends by checking that the parameters are identical on every rank.
 
+Rollout workers: ``--workers N`` rolls out in ``N`` worker processes on this machine
+(TorchRL's ``MultiSyncCollector``), ``--collector-backend ray --workers N`` in ``N`` Ray actors,
+through TorchRL's own Ray collector (``Collector(backend="ray")``; on a Ray instance started for
+the run, or on the cluster of ``--ray-address``; ``pip install 'ppo_objectives[ray]'``). Each
+worker rolls out ``--num-envs / N`` rows of its own prompts; after every update the learner pushes
+its weights with TorchRL's weight synchronisation, and every frame a worker collects carries the
+``policy_version`` of the weights that sampled it (TorchRL's ``PolicyVersion``), which the learner
+checks against its own count of pushes before training on the batch
+(:func:`~ppo_objectives.train.rollout.check_policy_version`): a stale worker is an error, not an
+off-policy batch. With torchrun, every rank drives its own workers on one shared cluster.
+
 Sharded (FSDP2): ``torchrun ... -m ppo_objectives.train --fsdp`` shards the actor's and the
 critic's models instead (``torch.distributed.fsdp.fully_shard`` on each transformer block, then
 on the model and the value head; ``distributed.shard_fsdp``), for models whose optimizer state
@@ -50,7 +61,7 @@ optimizer state). Checkpoints hold full state dicts, gathered on rank 0
 (``torch.distributed.checkpoint.state_dict``; the models' as without ``--fsdp``, the optimizers'
 keyed by parameter name), and ``--resume`` loads them on every rank, keeping its shards;
 resume with the same ``--fsdp``. ``--fsdp`` needs torchrun, a critic with its own trunk (no
-``--shared-trunk``) and ``--workers 1``.
+``--shared-trunk``) and the in-process collector (``--workers 1``, no Ray).
 
 Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/training.png``)
 ----------------------------------------------------------------------------------------
@@ -275,11 +286,13 @@ from ppo_objectives.train.config import (
 from ppo_objectives.train.loggers import read_metrics
 from ppo_objectives.train.cli import main
 from ppo_objectives.train.loop import TrainingCollapseWarning, plot_metrics, train
-from ppo_objectives.train.rollout import collect_batch, rollout_batch, score_batch
+from ppo_objectives.train.rollout import (check_policy_version, collect_batch, response_layout, rollout_batch,
+                                         score_batch)
 from ppo_objectives.train.update import ppo_update
 
 __all__ = [
     "ADVANTAGE_DEFAULTS", "ADVANTAGE_MODES", "METRICS", "RECIPES", "RESUME_MAY_CHANGE", "TrainConfig",
-    "TrainingCollapseWarning", "build_parser", "check_launch", "collect_batch", "main", "make_collector",
-    "plot_metrics", "ppo_update", "read_metrics", "rollout_batch", "score_batch", "train",
+    "TrainingCollapseWarning", "build_parser", "check_launch", "check_policy_version", "collect_batch", "main",
+    "make_collector", "plot_metrics", "ppo_update", "read_metrics", "response_layout", "rollout_batch", "score_batch",
+    "train",
 ]  # fmt: skip

@@ -28,6 +28,7 @@ from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_r
 from ppo_objectives.train.loggers import truncate_metrics
 from ppo_objectives.train.monitor import CollapseGuard
 from ppo_objectives.train.pretrained import load_causal_lm, load_policy_model
+from ppo_objectives.train.ray_collector import make_ray_collector
 from ppo_objectives.train.rollout import RETURN_KEY
 from ppo_objectives.train.text import TextTask
 from ppo_objectives.transforms import AdaptiveKLController, FixedKLController, KLPenaltyTransform
@@ -70,16 +71,20 @@ class _EnvFactory:
         return _make_env(*self.args, group_size=self.group_size)
 
 
-def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *, rank: int = 0):
-    """``Collector`` (TorchRL 0.14's SyncDataCollector) or ``MultiSyncCollector`` over ``workers`` processes.
+def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *, rank: int = 0, world: int = 1):
+    """The run's TorchRL collector: ``Collector`` in this process (``--workers 1``), or over ``--workers`` worker
+    processes (``MultiSyncCollector``) or Ray actors (``--collector-backend ray``:
+    :func:`~ppo_objectives.train.ray_collector.make_ray_collector`).
 
     ``frames_per_batch = N * M`` with ``reset_at_each_iter=True``: every row starts a
     fresh prompt at the start of each batch, so each row finishes at least one response.
+    Workers tag every frame with the ``"policy_version"`` of their weights, and have received the
+    learner's weights once (version 1) when this returns.
     """
     from torchrl.collectors import Collector, MultiSyncCollector
 
     M = env.max_new_tokens
-    if cfg.workers <= 1:
+    if not cfg.remote_rollouts:
         return Collector(
             env,
             policy,
@@ -88,21 +93,33 @@ def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *
             reset_at_each_iter=True,
             auto_register_policy_transforms=False,
         )
-    per_worker = max(1, cfg.num_envs // cfg.workers)
-    seeds = [cfg.seed + _RANK_SEED_STRIDE * rank + 1000 * (i + 1) for i in range(cfg.workers)]
-    if per_worker % cfg.group_size:
-        raise ValueError(f"--num-envs {cfg.num_envs} over --workers {cfg.workers} gives {per_worker} rows per worker, "
-                         f"not a multiple of --group-size {cfg.group_size}")
-    factories = [_EnvFactory(task, per_worker, "cpu", seed, cfg.group_size) for seed in seeds]
-    return MultiSyncCollector(
+    per_worker, factories = _worker_envs(cfg, task, rank)
+    frames = per_worker * cfg.workers * M
+    if cfg.collector_backend == "ray":
+        return make_ray_collector(factories, policy, frames, address=cfg.ray_address, world=world)
+    collector = MultiSyncCollector(
         factories,
         policy,
-        frames_per_batch=per_worker * cfg.workers * M,
+        frames_per_batch=frames,
         total_frames=-1,
         reset_at_each_iter=True,
         auto_register_policy_transforms=False,
         cat_results="stack",
+        track_policy_version=True,
     )
+    collector.update_policy_weights_()  # version 1, as on Ray
+    return collector
+
+
+def _worker_envs(cfg: TrainConfig, task: DigitTask, rank: int) -> tuple[int, list[_EnvFactory]]:
+    """``(rows per worker, env factories)``: one factory per worker, each with ``--num-envs / --workers`` rows and
+    its own prompt seed."""
+    per_worker = max(1, cfg.num_envs // cfg.workers)
+    if per_worker % cfg.group_size:
+        raise ValueError(f"--num-envs {cfg.num_envs} over --workers {cfg.workers} gives {per_worker} rows per worker, "
+                         f"not a multiple of --group-size {cfg.group_size}")
+    seeds = [cfg.seed + _RANK_SEED_STRIDE * rank + 1000 * (i + 1) for i in range(cfg.workers)]
+    return per_worker, [_EnvFactory(task, per_worker, "cpu", seed, cfg.group_size) for seed in seeds]
 
 
 def _policy_lm(cfg: TrainConfig, task, device) -> torch.nn.Module:
@@ -226,6 +243,12 @@ class Run:
     def M(self) -> int:
         return self.env.max_new_tokens
 
+    def policy_version(self, it: int) -> int | None:
+        """The version of the weights the rollout of iteration ``it`` must be sampled with: workers receive the
+        learner's weights when built (1) and after every iteration since; ``None`` in-process (the collector's
+        policy is the learner's)."""
+        return 1 + it - self.start_it if self.cfg.remote_rollouts else None
+
 
 def build(cfg: TrainConfig, d: Dist) -> Run:
     """Setup: seeds, task, env, networks, TorchRL modules, optimizers, the collector; ``--resume``."""
@@ -265,7 +288,7 @@ def build(cfg: TrainConfig, d: Dist) -> Run:
     if ckpt is None and pg is not None:
         torch.manual_seed(rank_seed)  # after the identical build: each rank samples its own responses
     with gathered_for_rollout(ac.actor_model):  # TorchRL's collector runs the policy once as it is built
-        run.collector = make_collector(cfg, task, ac.policy, env, rank=d.rank)
+        run.collector = make_collector(cfg, task, ac.policy, env, rank=d.rank, world=d.world)
     run.collector_iter = iter(run.collector)
     if ckpt is not None:  # RNG states last: building the collector resets the env (draws prompts)
         restore_rng_states(ckpt, d.rank, gen, env._generator, device)

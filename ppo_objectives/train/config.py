@@ -24,6 +24,7 @@ from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
 from ppo_objectives.train.loggers import LOGGERS, check_logger
 from ppo_objectives.train.monitor import FLAGS
+from ppo_objectives.train.ray_collector import import_ray
 from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
 from ppo_objectives.value.gae import MaskedGAE
 
@@ -39,6 +40,7 @@ METRICS = (
 
 
 DTYPES = ("float32", "bfloat16")  # --dtype; bfloat16: autocast of the actor and critic, bf16 reference
+COLLECTOR_BACKENDS = ("process", "ray")  # --collector-backend: TorchRL's Collector(backend=...) for the workers
 
 
 # --------------------------------------------------------------------------- #
@@ -139,7 +141,15 @@ class TrainConfig:
                            "(fully_shard per transformer block, then the model) instead of DDP, so parameters, "
                            "gradients and AdamW state are split across ranks; the reference stays whole")
     num_envs: int = _rf("num_envs", "parallel env rows N (responses per rollout ~ N; per rank under torchrun)")
-    workers: int = _f(1, "collector processes: 1 = Collector in-process, >1 = MultiSyncCollector")
+    workers: int = _f(1, "rollout workers: 1 = TorchRL's Collector in this process (with --collector-backend "
+                         "process), more = one worker process (MultiSyncCollector) or Ray actor each")
+    collector_backend: str = _f("process", "where the --workers roll out: 'process' = worker processes on this "
+                                           "machine (MultiSyncCollector), 'ray' = Ray actors on CPU (TorchRL's Ray "
+                                           "collector; pip install 'ppo_objectives[ray]')",
+                                choices=COLLECTOR_BACKENDS)
+    ray_address: str = _f("", "--collector-backend ray: the Ray cluster of the rollout actors ('auto': the one "
+                              "started on this machine with ray start; HOST:6379); empty: a Ray instance started "
+                              "for this run")
     warmup_steps: int = _rf("warmup_steps", "supervised warm-start steps teaching the toy answer format (random "
                                             "digits); text tasks have none")
     warmup_lr: float = _f(3e-3, "warm-start learning rate")
@@ -202,6 +212,11 @@ class TrainConfig:
         return self.advantage != "gae"
 
     @property
+    def remote_rollouts(self) -> bool:
+        """The rollouts run in workers (processes or Ray actors), which receive the learner's weights."""
+        return self.workers > 1 or self.collector_backend == "ray"
+
+    @property
     def recipe(self) -> str:
         """``"pretrained"`` for the text tasks, ``"toy"`` for the digit tasks."""
         return "pretrained" if self.task in TEXT_TASKS else "toy"
@@ -213,6 +228,7 @@ class TrainConfig:
                 setattr(self, name, value)
         self._check_advantage()
         self._check_task()
+        self._check_collector()
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig dtype={self.dtype!r} must be one of {DTYPES} (bfloat16: mixed precision)")
         if self.grad_checkpointing and not self.model:
@@ -261,6 +277,24 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
                                  f"(its advantages come from the group's / batch's scores); drop them or use --advantage gae")
 
+    def _check_collector(self) -> None:
+        """``--collector-backend`` is known; ``--ray-address`` goes with ``ray``, whose actors roll out on CPU."""
+        if self.collector_backend not in COLLECTOR_BACKENDS:
+            raise ValueError(f"TrainConfig collector_backend={self.collector_backend!r} must be one of "
+                             f"{COLLECTOR_BACKENDS}")
+        if self.collector_backend != "ray":
+            if self.ray_address:
+                raise ValueError(f"--ray-address {self.ray_address} places Ray rollout actors, but --collector-backend "
+                                 f"is {self.collector_backend}; add --collector-backend ray or drop --ray-address")
+            return
+        if self.device != "cpu":
+            raise ValueError(f"--collector-backend ray with --device {self.device}: the Ray actors roll out on CPU and "
+                             "the learner's weights are pushed from CPU; use --device cpu (or --collector-backend "
+                             "process for workers on this machine)")
+        if self.fsdp:
+            raise ValueError("--fsdp --collector-backend ray: each Ray actor would receive a shard of the actor, not "
+                             "the policy; use --collector-backend process --workers 1 with --fsdp")
+
     def _check_task(self) -> None:
         """The task's flags: a digit task checks its own; a text task needs --model and its own flags."""
         jsonl_flags = {"--prompts": self.prompts, "--reward": self.reward, "--eval-prompts": self.eval_prompts}
@@ -288,9 +322,10 @@ class TrainConfig:
         if self.fsdp:
             raise ValueError("--fsdp with a text task is not supported: the Hugging Face export and the held-out "
                              "evaluation need the whole actor on one rank; use DDP (torchrun without --fsdp)")
-        if self.workers > 1:
-            raise ValueError("--workers > 1 with a text task: the tokenizer and the reward run in this process only; "
-                             "use --workers 1 (or torchrun for data parallelism)")
+        if self.remote_rollouts:
+            raise ValueError(f"--workers {self.workers} --collector-backend {self.collector_backend} with a text task: "
+                             "the tokenizer and the reward run in this process only; use --workers 1 "
+                             "--collector-backend process (or torchrun for data parallelism)")
         _validate.check_int("max_new_tokens", self.max_new_tokens, low=1, where="TrainConfig ")
 
 
@@ -361,7 +396,8 @@ _HELP_GROUPS = {
     "KL": "the reference KL (in the reward, in the loss)",
     "critic": "the value function and GAE",
     "output": "what is written and shown",
-    "parallel": "collector workers, torchrun (DDP / FSDP2), threads, the loop (ours or torchrl's Trainer)",
+    "parallel": "rollout workers (processes or Ray actors), torchrun (DDP / FSDP2), threads, the loop (ours or "
+                "torchrl's Trainer)",
 }
 
 
@@ -377,21 +413,22 @@ _GROUP_MEMBERS = {
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
-    "parallel": ("workers", "fsdp", "threads", "loop"),
+    "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads", "loop"),
 }
 
 
 #: The flags a ``--resume`` may change: they alter neither what the run computes nor its data (``--iterations``
 #: only upward). Any other difference from the checkpoint's configuration is refused unless ``--allow-change`` names it.
 RESUME_MAY_CHANGE = ("iterations", "resume", "out", "no_progress", "no_plot", "logger", "save_every", "threads",
-                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "loop")
+                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "loop", "ray_address")
 
 
 def check_launch(cfg: TrainConfig) -> None:
     """Refuse, before any process group, model or file exists, what this run cannot honour.
 
     ``--device cuda`` without CUDA, a ``--logger`` whose package is missing, ``--fsdp`` or
-    ``--shared-trunk`` where they cannot run, an ``--out`` that is a file, and for ``--resume``:
+    ``--shared-trunk`` where they cannot run, ``--collector-backend ray`` without ray (or under
+    torchrun without ``--ray-address``), an ``--out`` that is a file, and for ``--resume``:
     no checkpoint in ``--out``, flags that differ from the checkpoint's (:data:`RESUME_MAY_CHANGE`
     lists those that may), or nothing left to run. ``python -m ppo_objectives.train`` turns each
     into an ``error:`` line (exit 2).
@@ -406,11 +443,24 @@ def check_launch(cfg: TrainConfig) -> None:
             "DistributedDataParallel wrappers cannot own the same parameters; add --no-shared-trunk for "
             "data-parallel runs (the critic then has its own copy of the trunk)"
         )
+    if cfg.collector_backend == "ray":
+        _check_ray_launch(cfg)
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; give a directory (created if missing) for the run's outputs")
     if cfg.resume:
         _check_resume(cfg, out)
+
+
+def _check_ray_launch(cfg: TrainConfig) -> None:
+    """``--collector-backend ray``: ray is installed; under torchrun every rank joins one cluster (``--ray-address``)."""
+    import_ray()
+    world = launched_world_size()
+    if world > 1 and not cfg.ray_address:
+        raise ValueError(
+            f"--collector-backend ray under torchrun ({world} ranks) needs --ray-address: each rank would start a "
+            "Ray instance of its own; start one cluster (ray start --head) and pass --ray-address auto (or HOST:6379)"
+        )
 
 
 def _check_resume(cfg: TrainConfig, out: Path) -> None:

@@ -108,7 +108,7 @@ def _iteration(run: Run, it: int) -> dict[str, float]:
     # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
     t0 = time.perf_counter()
     with gathered_for_rollout(run.ac.actor_model):  # --fsdp: the whole actor (else nothing)
-        llm = collect_batch(run.collector_iter, run.device, run.P, run.M)
+        llm = collect_batch(run.collector_iter, run.device, run.P, run.M, policy_version=run.policy_version(it))
     t_ref = time.perf_counter()
     llm = score_batch(llm, run.ac, run.kl_transform, run.gae)  # V_old, reference log-probs, KL penalty, GAE
     t1 = time.perf_counter()
@@ -119,8 +119,8 @@ def _iteration(run: Run, it: int) -> dict[str, float]:
     t2 = time.perf_counter()
     # 3. KL coefficient update; the collector's policy shares the weights (in-process) or receives them (workers)
     row = close_iteration(run, it, llm, dict(rollout_s=t_ref - t0, reference_s=t1 - t_ref, update_s=t2 - t1), stats)
-    if cfg.workers > 1:
-        run.collector.update_policy_weights_()
+    if cfg.remote_rollouts:
+        run.collector.update_policy_weights_()  # the next rollout's policy version
     release_host_memory()  # the rollout's and the update's freed host memory, back to the system
     return row
 

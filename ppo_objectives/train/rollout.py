@@ -40,13 +40,48 @@ def rollout_batch(collector_iter, ac: ActorCritic, kl_transform: KLPenaltyTransf
     return score_batch(collect_batch(collector_iter, device, P, M), ac, kl_transform, gae)
 
 
-def collect_batch(collector_iter, device: torch.device, P: int, M: int) -> TensorDictBase:
-    """The first half of :func:`rollout_batch`: one collector batch ``[N, T]`` as the response layout ``[B]``,
-    with the env's per-token reward copied where ``MaskedGAE`` reads it."""
-    batch = next(collector_iter)  # [N, T] per-token steps
+def collect_batch(collector_iter, device: torch.device, P: int, M: int, *,
+                  policy_version: int | None = None) -> TensorDictBase:
+    """The first half of :func:`rollout_batch`: the collector's next batch ``[N, T]`` in the response layout
+    (:func:`response_layout`; ``policy_version``: the version its frames must carry)."""
+    return response_layout(next(collector_iter), device, P, M, policy_version=policy_version)
+
+
+def response_layout(batch: TensorDictBase, device: torch.device, P: int, M: int, *,
+                    policy_version: int | None = None) -> TensorDictBase:
+    """One collector batch of per-token steps ``[N, T]`` (``[workers, N, T]`` from workers) as the response layout
+    ``[B]``, with the env's per-token reward copied where ``MaskedGAE`` reads it. With ``policy_version``, every
+    frame must first carry it (:func:`check_policy_version`)."""
+    if policy_version is not None:
+        check_policy_version(batch, policy_version)
     llm = trajectories_to_llm_batch(batch.to(device), P, M)
     llm.set(("next", "reward"), llm.get("token_reward").clone())  # the env's per-token reward
     return llm
+
+
+def check_policy_version(batch: TensorDictBase, expected: int) -> None:
+    """Every frame of a workers' ``batch`` was sampled with the learner's latest weights: its ``"policy_version"``
+    (TorchRL's ``PolicyVersion``, bumped on each worker by every weight push) is ``expected``, the learner's count of
+    pushes.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict(policy_version=torch.tensor([[3, 3], [3, 2]]), batch_size=[2, 2])
+        >>> check_policy_version(batch, 3)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: policy version: 1 of 4 frames were sampled with version(s) [2], ...
+    """
+    if "policy_version" not in batch.keys():
+        raise KeyError("the collector's batch has no 'policy_version' entry to check the workers' weights by: build "
+                       "the workers' collectors with track_policy_version=True (make_collector does)")
+    seen = batch.get("policy_version")
+    stale = seen != expected
+    if bool(stale.any()):
+        versions = sorted(set(seen[stale].tolist()))
+        raise RuntimeError(f"policy version: {int(stale.sum())} of {seen.numel()} frames were sampled with version(s) "
+                           f"{versions}, and the learner's latest weights are version {expected}: a weight push did "
+                           "not reach every worker, so the batch is not on-policy")
 
 
 def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTransform,

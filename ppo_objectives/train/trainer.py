@@ -7,7 +7,8 @@ must be applied once per batch, and push weights from ``loss_module.actor_networ
 in-process collector cannot take; ``GRPOTrainer`` without its vLLM weight sender and replay
 buffer is ``Trainer``). One collected batch runs these stages, in TorchRL's order:
 
-- ``batch_process``: collector rows -> response layout, ``V_old``, ``KLPenaltyTransform``,
+- ``batch_process``: collector rows -> response layout (from workers: each frame's policy
+  version checked against the learner's pushes), ``V_old``, ``KLPenaltyTransform``,
   ``MaskedGAE`` (:func:`~ppo_objectives.train.rollout.score_batch`);
 - ``pre_optim_steps``: a fresh approx-KL trust region
   (:class:`~ppo_objectives.train.update.TrustRegionUpdate`);
@@ -17,7 +18,8 @@ buffer is ``Trainer``). One collected batch runs these stages, in TorchRL's orde
 - the optimization stepper, :class:`TrustRegionStepper`: forward, trust-region check (pull
   back and stop), non-finite guards, backward, per-model clipping, both AdamW steps;
 - ``post_steps``: the last step's trust-region check, then the KL controller, then TorchRL's
-  ``UpdateWeights`` for collector workers (rolled-back steps are never pushed);
+  ``UpdateWeights`` for rollout workers, processes or Ray actors (rolled-back steps are never
+  pushed);
 - ``post_steps_log``: the iteration's row: held-out evaluation, collapse guard,
   ``metrics.csv``, the TorchRL logger, checkpoints, and ``request_stop`` after ``--iterations``.
 
@@ -36,12 +38,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import OptimizationStepper, Trainer, UpdateWeights
 
-from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.train.build import Run
 from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.distributed import release_host_memory
 from ppo_objectives.train.loop import close_iteration, end_iteration, finish_run, run_training, started
-from ppo_objectives.train.rollout import score_batch
+from ppo_objectives.train.rollout import response_layout, score_batch
 from ppo_objectives.train.update import TrustRegionUpdate, minibatch_count
 
 __all__ = ["TrustRegionStepper", "make_trainer", "train_with_trainer"]
@@ -66,8 +67,7 @@ class _Rollout:
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
         s, run = self.s, self.s.run
-        llm = trajectories_to_llm_batch(batch.to(run.device), run.P, run.M)
-        llm.set(("next", "reward"), llm.get("token_reward").clone())
+        llm = response_layout(batch, run.device, run.P, run.M, policy_version=run.policy_version(s.it))
         t_ref = time.perf_counter()
         s.llm = score_batch(llm, run.ac, run.kl_transform, run.gae)
         s.times = dict(rollout_s=t_ref - s.t_end, reference_s=time.perf_counter() - t_ref)
@@ -200,7 +200,7 @@ def make_trainer(run: Run, bar=None, logger=None) -> tuple[Trainer, list[dict]]:
     trainer.register_op("process_optim_batch", minibatches)
     trainer.register_op("post_steps", stepper.finish)  # the rollback comes before any weight push
     trainer.register_op("post_steps", _close_iteration(s))
-    if cfg.workers > 1:
+    if cfg.remote_rollouts:
         UpdateWeights(run.collector, 1).register(trainer)  # collector.update_policy_weights_()
     log = _IterationLog(s, trainer, bar, logger)
     trainer.register_op("post_steps_log", log)

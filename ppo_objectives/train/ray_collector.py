@@ -1,0 +1,82 @@
+"""Rollouts on Ray actors: TorchRL's own Ray collector (``Collector(backend="ray")``) over ``--workers`` actors.
+
+Each actor runs a TorchRL ``Collector`` over its share of the env rows with its own copy of the
+policy. After every update the learner pushes its weights with TorchRL's weight synchronisation
+(``RayWeightSyncScheme``, the Ray collector's default), and every frame an actor collects carries
+the ``"policy_version"`` of the weights that sampled it (TorchRL's ``PolicyVersion`` transform,
+``track_policy_version=True``): the learner checks it against its own count of pushes
+(:func:`~ppo_objectives.train.rollout.check_policy_version`) before it trains on the batch.
+
+Without ``--ray-address`` a Ray instance is started on this machine for the run and shut down at its
+end; with one (``auto``, ``HOST:6379``) the actors are placed on that cluster, whose every node must
+have ``ppo_objectives`` installed. The actors roll out on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: How to install what ``--collector-backend ray`` needs.
+RAY_INSTALL = "pip install 'ppo_objectives[ray]'"
+
+#: Resources of one rollout actor: a CPU, no GPU (TorchRL's default asks for a fifth of a GPU).
+ACTOR_RESOURCES = {"num_cpus": 1, "num_gpus": 0}
+
+
+def import_ray():
+    """The ``ray`` module, or a ``ModuleNotFoundError`` that says how to install it."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"--collector-backend ray needs the ray package, which is not installed: {RAY_INSTALL}"
+        ) from err
+    return ray
+
+
+def ray_init_config(address: str, workers: int, world: int = 1) -> dict:
+    """``ray.init``'s arguments: a local instance with a logical CPU for each of the ``workers * world`` actors
+    (or the machine's CPUs, if more), or the cluster at ``address``. The actors' output stays in Ray's session
+    logs (``/tmp/ray/session_latest/logs``; TorchRL's Ray collector prints each actor's collector there); their
+    errors reach the learner as exceptions."""
+    quiet = dict(configure_logging=False, log_to_driver=False)
+    if address:
+        return dict(address=address, **quiet)
+    return dict(num_cpus=max(workers * world, os.cpu_count() or 1), include_dashboard=False, **quiet)
+
+
+def check_cluster_cpus(ray, workers: int, world: int, address: str) -> None:
+    """Refuse a cluster with fewer CPUs than the run's actors: TorchRL's Ray collector would wait for them forever."""
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    need = workers * world
+    if cpus < need:
+        raise RuntimeError(
+            f"--ray-address {address}: the cluster has {cpus:g} CPUs, and --workers {workers} on {world} learner "
+            f"rank(s) need {need} (one per rollout actor); add nodes (ray start --address ...) or lower --workers"
+        )
+
+
+def make_ray_collector(factories: list, policy, frames_per_batch: int, *, address: str = "", world: int = 1):
+    """TorchRL's Ray collector over one actor per env factory, synchronous (each batch stacks every actor's rows:
+    ``[workers, rows, T]``), each actor's frames tagged with its ``"policy_version"``, and the learner's weights
+    pushed once (version 1) before the first batch."""
+    ray = import_ray()
+    from torchrl.collectors import Collector
+
+    workers = len(factories)
+    init = ray_init_config(address, workers, world)
+    if address and not ray.is_initialized():
+        ray.init(**init)  # connect now, to check the cluster before TorchRL places actors on it
+    if address:
+        check_cluster_cpus(ray, workers, world, address)
+    collector = Collector(
+        factories, policy, backend="ray", num_collectors=workers, sync=True,
+        frames_per_batch=frames_per_batch, total_frames=2**62,  # the Ray collector stops at total_frames; -1 is none
+        reset_at_each_iter=True,
+        backend_options=dict(
+            ray_init_config=init, remote_configs=dict(ACTOR_RESOURCES),
+            collector_kwargs=dict(track_policy_version=True, auto_register_policy_transforms=False),
+        ),
+    )  # fmt: skip
+    collector.update_policy_weights_()  # the learner's weights as built (or resumed): version 1
+    return collector
