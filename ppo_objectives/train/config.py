@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -148,8 +149,8 @@ class TrainConfig:
                                            "collector; pip install 'ppo_objectives[ray]')",
                                 choices=COLLECTOR_BACKENDS)
     ray_address: str = _f("", "--collector-backend ray: the Ray cluster of the rollout actors ('auto': the one "
-                              "started on this machine with ray start; HOST:6379); empty: a Ray instance started "
-                              "for this run")
+                              "started on this machine with ray start; HOST:6379); empty: RAY_ADDRESS if set, else "
+                              "a Ray instance started for this run")
     warmup_steps: int = _rf("warmup_steps", "supervised warm-start steps teaching the toy answer format (random "
                                             "digits); text tasks have none")
     warmup_lr: float = _f(3e-3, "warm-start learning rate")
@@ -456,7 +457,7 @@ def _check_ray_launch(cfg: TrainConfig) -> None:
     """``--collector-backend ray``: ray is installed; under torchrun every rank joins one cluster (``--ray-address``)."""
     import_ray()
     world = launched_world_size()
-    if world > 1 and not cfg.ray_address:
+    if world > 1 and not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             f"--collector-backend ray under torchrun ({world} ranks) needs --ray-address: each rank would start a "
             "Ray instance of its own; start one cluster (ray start --head) and pass --ray-address auto (or HOST:6379)"

@@ -35,14 +35,24 @@ def import_ray():
 
 
 def ray_init_config(address: str, workers: int, world: int = 1) -> dict:
-    """``ray.init``'s arguments: a local instance with a logical CPU for each of the ``workers * world`` actors
-    (or the machine's CPUs, if more), or the cluster at ``address``. The actors' output stays in Ray's session
-    logs (``/tmp/ray/session_latest/logs``; TorchRL's Ray collector prints each actor's collector there); their
-    errors reach the learner as exceptions."""
+    """``ray.init``'s arguments: the cluster at ``address`` (or at ``RAY_ADDRESS``, which Ray itself obeys), or else
+    a new local instance (``address="local"``: never the cluster a ``ray start`` left on this machine, which would
+    refuse the CPU count) with a logical CPU for each of the ``workers * world`` actors, or the machine's CPUs if
+    more. The actors' output stays in Ray's session logs (``/tmp/ray/session_latest/logs``; TorchRL's Ray collector
+    prints each actor's collector there); their errors reach the learner as exceptions.
+
+    Example:
+        >>> ray_init_config("auto", workers=2)["address"]
+        'auto'
+        >>> ray_init_config("", workers=64)["num_cpus"]
+        64
+    """
     quiet = dict(configure_logging=False, log_to_driver=False)
+    address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
         return dict(address=address, **quiet)
-    return dict(num_cpus=max(workers * world, os.cpu_count() or 1), include_dashboard=False, **quiet)
+    cpus = max(workers * world, os.cpu_count() or 1)
+    return dict(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
 
 
 def check_cluster_cpus(ray, workers: int, world: int, address: str) -> None:
@@ -65,10 +75,10 @@ def make_ray_collector(factories: list, policy, frames_per_batch: int, *, addres
 
     workers = len(factories)
     init = ray_init_config(address, workers, world)
-    if address and not ray.is_initialized():
-        ray.init(**init)  # connect now, to check the cluster before TorchRL places actors on it
-    if address:
-        check_cluster_cpus(ray, workers, world, address)
+    if init["address"] != "local":
+        if not ray.is_initialized():
+            ray.init(**init)  # connect now, to check the cluster before TorchRL places actors on it
+        check_cluster_cpus(ray, workers, world, init["address"])
     collector = Collector(
         factories, policy, backend="ray", num_collectors=workers, sync=True,
         frames_per_batch=frames_per_batch, total_frames=2**62,  # the Ray collector stops at total_frames; -1 is none
