@@ -9,6 +9,7 @@ and, with ``--resume``, the state of the run read back from its checkpoint.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +63,19 @@ def _make_env(task, num_envs: int, device: str, seed: int, *, vocab_size: int | 
 
 
 class _EnvFactory:
-    """Picklable env constructor for collector worker processes."""
+    """Picklable env constructor for collector workers (processes or Ray actors). In the worker it runs in, it
+    also seeds torch's generator (the policy's sampling stream) and uses one thread, so that a worker's rollouts
+    depend only on the seed and the weights it is sent: runs with workers are reproducible, and the same on
+    worker processes and on Ray actors."""
 
     def __init__(self, task, num_envs, device, seed, group_size=1):
         self.args, self.group_size = (task, num_envs, device, seed), group_size
+        self.parent = os.getpid()
 
     def __call__(self):
+        if os.getpid() != self.parent:  # never reseed the learner's process
+            torch.manual_seed(self.args[3])
+            torch.set_num_threads(1)
         return _make_env(*self.args, group_size=self.group_size)
 
 
