@@ -23,7 +23,12 @@ a few iterations) and the goals must hold both times.
 
 ``--baseline-args`` runs a second recipe (the default plus those flags) on the first
 ``--baseline-seeds`` seeds, interleaved with the default runs so that both meet the same
-machine load, and prints its table, its collapses and the ratio of iterations/s.
+machine load, and prints its table, its collapses, the ratio of iterations/s and whether the two
+recipes' last-10 rewards on the same seeds differ (medians, Mann-Whitney U permutation test); the plot
+adds the baseline's median and quartile band in orange.
+
+    python benchmarks/bench_learning.py --tasks reverse --baseline-args "--collector-backend ray --workers 2" \
+        --baseline-seeds 16
 
 Outputs under ``--out`` (default ``runs/bench_learning``): one folder per run,
 ``summary.csv`` (one row per run) and ``learning.png`` (``--plot``: reward and response length
@@ -37,6 +42,7 @@ import argparse
 import csv
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -154,6 +160,26 @@ def print_goals(results: list[dict], args, baseline: list[dict]) -> None:
               f"= {m_its / b_its:.2f}x (goal >= 1.0x) -> {'met' if m_its >= b_its else 'NOT met'}")
         print(f"  baseline collapses: {sum(r['collapses'] > 0 for r in baseline)}/{len(baseline)} seeds; "
               f"default: {sum(r['collapses'] > 0 for r in same)}/{len(same)} on the same seeds")
+        print(same_distribution([r["r_last"] for r in same], [r["r_last"] for r in baseline]))
+
+
+def same_distribution(a: list[float], b: list[float], draws: int = 5000) -> str:
+    """The last-10 rewards of the default (``a``) and the baseline (``b``): their medians and a two-sided
+    permutation test of the Mann-Whitney U statistic (is one recipe's reward stochastically larger?)."""
+
+    def u(x, y):
+        return sum((p > q) + 0.5 * (p == q) for p in x for q in y)
+
+    centre = len(a) * len(b) / 2
+    observed = abs(u(a, b) - centre)
+    pooled, rng, hits = a + b, random.Random(0), 0
+    for _ in range(draws):
+        rng.shuffle(pooled)
+        hits += abs(u(pooled[: len(a)], pooled[len(a) :]) - centre) >= observed
+    p = hits / draws
+    verdict = "no difference detected" if p >= 0.05 else "the distributions differ"
+    return (f"  last-10 reward, default vs baseline on the same seeds: median {statistics.median(a):.3f} vs "
+            f"{statistics.median(b):.3f}; Mann-Whitney U permutation test p = {p:.2f} ({verdict} at 0.05)")
 
 
 def write_summary(results: list[dict], out: Path) -> None:
@@ -186,8 +212,18 @@ def _plot_signal(ax, task_runs: list[dict], key: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot(results: list[dict], args, out: Path) -> Path:
-    """Reward and response length per task: median and bands over seeds (collapsed seeds in red)."""
+def _plot_baseline(ax, task_runs: list[dict], key: str, label: str) -> None:
+    """The baseline recipe's ``key``: its median and quartile band, in a second colour."""
+    n = min(len(r["rows"]) for r in task_runs)
+    it = [x["iteration"] for x in task_runs[0]["rows"][:n]]
+    _, q1, med, q3, _ = _bands([[x[key] for x in r["rows"][:n]] for r in task_runs])
+    ax.fill_between(it, q1, q3, color="C1", alpha=0.25, lw=0)
+    ax.plot(it, med, color="C1", lw=1.5, label=f"median, {label}")
+
+
+def plot(results: list[dict], args, out: Path, baseline: list[dict] = ()) -> Path:
+    """Reward and response length per task: median and bands over seeds (collapsed seeds in red); the baseline
+    recipe's median and quartiles in orange."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,10 +234,14 @@ def plot(results: list[dict], args, out: Path) -> Path:
         task_runs = [r for r in results if r["task"] == task]
         _plot_signal(axes[0, col], task_runs, "reward")
         _plot_signal(axes[1, col], task_runs, "response_len")
+        base_runs = [r for r in baseline if r["task"] == task]
+        if base_runs:
+            for row, key in ((0, "reward"), (1, "response_len")):
+                _plot_baseline(axes[row, col], base_runs, key, f"{args.baseline_args} ({len(base_runs)} seeds)")
         n_bad = sum(r["collapses"] > 0 for r in task_runs)
         axes[0, col].set_title(f"{task}: reward over {len(task_runs)} seeds ({n_bad} collapsed, red)")
         axes[0, col].set_ylim(-0.02, 1.02)
-        axes[0, col].legend(loc="lower right")
+        axes[0, col].legend(loc="lower right", fontsize="small")
         axes[1, col].set_title("response length (tokens)")
         axes[1, col].set_ylim(bottom=0)
         axes[1, col].set_xlabel("iteration")
@@ -266,7 +306,7 @@ def main(argv=None) -> int:
         print_table(baseline, args)
     print_goals(results, args, baseline)
     write_summary(everything, out)
-    print(f"\nper-run rows: {out / 'summary.csv'}; curves: {plot(results, args, out)}")
+    print(f"\nper-run rows: {out / 'summary.csv'}; curves: {plot(results, args, out, baseline)}")
     return 0
 
 

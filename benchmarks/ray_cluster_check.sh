@@ -7,7 +7,7 @@
 # prints its summary line. On several machines: run `ray start --address HEAD:PORT` on every other
 # node, and torchrun with --nnodes / --rdzv-endpoint (README, "Rollouts on Ray, across machines").
 #
-#   bash benchmarks/ray_cluster_check.sh            # about 2 minutes on 2 cores
+#   bash benchmarks/ray_cluster_check.sh            # about 40 s on 2 cores
 #
 # Needs `pip install 'ppo_objectives[ray]'`. The `ray stop` at the end stops every Ray process on
 # this machine, including clusters this script did not start.
@@ -22,6 +22,7 @@ rm -rf "$OUT"
 ray start --head --node-ip-address 127.0.0.1 --port "$PORT" --num-cpus 4 --include-dashboard=false \
     --disable-usage-stats > /dev/null
 trap 'ray stop > /dev/null 2>&1' EXIT
+export RAY_AUTH_MODE=token  # ray start turns token authentication on; its token is in ~/.ray/auth_token
 echo "== one learner, 2 rollout actors on the cluster at $ADDR"
 python -m ppo_objectives.train --collector-backend ray --workers 2 --ray-address "$ADDR" --num-envs 16 \
     --out "$OUT/one_learner" "${SMALL[@]}" 2>&1 | grep -E "^reward|Error|error" || true

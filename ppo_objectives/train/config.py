@@ -454,7 +454,7 @@ def check_launch(cfg: TrainConfig) -> None:
 
 
 def _check_ray_launch(cfg: TrainConfig) -> None:
-    """``--collector-backend ray``: ray is installed; under torchrun every rank joins one cluster (``--ray-address``)."""
+    """``--collector-backend ray``: ray is installed; under torchrun all ranks join one cluster (``--ray-address``)."""
     import_ray()
     world = launched_world_size()
     if world > 1 and not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):

@@ -66,6 +66,19 @@ def check_cluster_cpus(ray, workers: int, world: int, address: str) -> None:
         )
 
 
+def connect(ray, init: dict) -> None:
+    """``ray.init(**init)`` on a cluster; a refused connection says what to check, token authentication first
+    (``ray start`` turns it on, and a client without ``RAY_AUTH_MODE=token`` is refused)."""
+    try:
+        ray.init(**init)
+    except ConnectionError as err:
+        raise ConnectionError(
+            f"--ray-address {init['address']}: could not connect to the Ray cluster ({err}). Check that the head "
+            "node runs (ray start --head) at that address, and, as ray start turns on token authentication, that "
+            "this machine has RAY_AUTH_MODE=token and the head's token (~/.ray/auth_token, or RAY_AUTH_TOKEN)"
+        ) from err
+
+
 def make_ray_collector(factories: list, policy, frames_per_batch: int, *, address: str = "", world: int = 1):
     """TorchRL's Ray collector over one actor per env factory, synchronous (each batch stacks every actor's rows:
     ``[workers, rows, T]``), each actor's frames tagged with its ``"policy_version"``, and the learner's weights
@@ -77,7 +90,7 @@ def make_ray_collector(factories: list, policy, frames_per_batch: int, *, addres
     init = ray_init_config(address, workers, world)
     if init["address"] != "local":
         if not ray.is_initialized():
-            ray.init(**init)  # connect now, to check the cluster before TorchRL places actors on it
+            connect(ray, init)  # now, to check the cluster before TorchRL places actors on it
         check_cluster_cpus(ray, workers, world, init["address"])
     collector = Collector(
         factories, policy, backend="ray", num_collectors=workers, sync=True,

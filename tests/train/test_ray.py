@@ -22,7 +22,7 @@ from ppo_objectives import train as T
 from ppo_objectives.testing import reference_response_log_probs
 from ppo_objectives.train.build import build, make_collector
 from ppo_objectives.train.distributed import Dist
-from ppo_objectives.train.ray_collector import check_cluster_cpus, import_ray, ray_init_config
+from ppo_objectives.train.ray_collector import check_cluster_cpus, connect, import_ray, ray_init_config
 
 ray = pytest.importorskip("ray", reason="pip install 'ppo_objectives[ray]'")
 
@@ -140,7 +140,7 @@ def test_a_missing_ray_names_the_extra(monkeypatch, tmp_path, cli_error):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--ray-address", "auto"], r"--ray-address auto places Ray rollout actors, but --collector-backend is process"),
+        (["--ray-address", "auto"], r"--ray-address auto places Ray rollout actors, but --collector-backend is proc"),
         (["--collector-backend", "ray", "--device", "cuda"], r"the Ray actors roll out on CPU"),
         (["--collector-backend", "ray", "--fsdp"], r"--fsdp --collector-backend ray: each Ray actor would receive"),
         (["--collector-backend", "ray", "--task", "chat-add1", "--model", "m"],
@@ -185,3 +185,13 @@ def test_without_an_address_a_run_starts_its_own_instance_unless_ray_address_is_
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_init_config("", workers=2) == dict(address="10.0.0.1:6379", configure_logging=False, log_to_driver=False)
     assert ray_init_config("auto", workers=2)["address"] == "auto"  # the flag wins over the environment
+
+
+def test_a_refused_cluster_connection_says_what_to_check():
+    class Refusing:  # ray.init on a cluster that refuses this client
+        @staticmethod
+        def init(**kwargs):
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379")
+
+    with pytest.raises(ConnectionError, match=r"--ray-address 10.0.0.1:6379: could not .* RAY_AUTH_MODE=token"):
+        connect(Refusing, ray_init_config("10.0.0.1:6379", workers=2))
