@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["ACTOR_RESOURCES", "RAY_INSTALL", "check_cluster_cpus", "connect", "import_ray", "make_ray_collector",
+           "ray_init_config"]
+
 #: How to install what ``--collector-backend ray`` needs.
 RAY_INSTALL = "pip install 'ppo_objectives[ray]'"
 

@@ -80,7 +80,7 @@ def test_smollm2_exports_and_runs_one_ppo_iteration(tmp_path):
 
     model = pretrained.export_hf_checkpoint("smollm2", tmp_path / "smollm2")
     rows = T.train(T.TrainConfig(model=str(model), task="chat-add1", iterations=1, num_envs=2, max_new_tokens=6,
-                                 out=str(tmp_path / "run"), no_progress=True, no_plot=True))
+                                 minibatches=1, out=str(tmp_path / "run"), no_progress=True, no_plot=True))
     assert [r["iteration"] for r in rows] == [0, 1]
     assert rows[1]["episodes"] >= 2 and rows[1]["updates"] >= 1 and rows[1]["skipped_steps"] == 0
     assert 0.0 <= rows[1]["eval_greedy"] <= 1.0 and (tmp_path / "run" / "hf" / "model.safetensors").exists()

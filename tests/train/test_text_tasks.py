@@ -366,7 +366,7 @@ def test_text_job_resumes_exactly(tmp_path, chat_model_dir):
     (dict(task="jsonl", prompts="p.jsonl"), r"--task jsonl needs --reward"),
     (dict(task="reverse", prompts="p.jsonl"), r"--prompts belong to --task jsonl"),
     (dict(task="chat-add1", model="m", warmup_steps=10), r"--warmup-steps 10: the warm start teaches the toy"),
-    (dict(task="chat-add1", model="m", workers=2), r"--workers > 1 with a text task"),
+    (dict(task="chat-add1", model="m", workers=2), r"--workers 2 --collector-backend process with a text task"),
     (dict(task="chat-add1", model="m", fsdp=True), r"--fsdp with a text task is not supported"),
     (dict(task="reverse", max_new_tokens=8), r"--max-new-tokens is for text tasks"),
     (dict(policy_lmbda=0.9, length_alpha=1.0), r"--policy-lmbda and --length-alpha both set"),

@@ -9,7 +9,6 @@ from _flags import SMALL
 
 from ppo_objectives import train as T
 from ppo_objectives.llm.env import TokenLMEnv
-from ppo_objectives.llm.layouts import trajectories_to_llm_batch
 from ppo_objectives.llm.models import TinyLMConfig
 from ppo_objectives.llm.readouts import frozen_reference, make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
@@ -150,27 +149,6 @@ def test_rollback_with_a_limit_that_is_never_reached_changes_nothing():
         runs.append((_params(ac), stats))
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[0][1]["updates"] == runs[1][1]["updates"] == 4 and runs[0][1]["rolled_back"] == 0
-
-
-@pytest.mark.slow
-def test_multisync_collector_with_two_workers_follows_the_weights():
-    cfg, task, env, ac, kl, gae, loss, opts = _pieces(num_envs=8, workers=2)
-    collector = T.make_collector(cfg, task, ac.policy, env)
-    try:
-        it = iter(collector)
-        first = trajectories_to_llm_batch(next(it), env.prompt_len, env.max_new_tokens)
-        assert first.batch_size[0] >= 8
-        with torch.no_grad():
-            for p in ac.actor_model.parameters():
-                p.mul_(3.0)  # very different weights
-        collector.update_policy_weights_()
-        second = trajectories_to_llm_batch(next(it), env.prompt_len, env.max_new_tokens)
-    finally:
-        collector.shutdown()
-    with torch.no_grad():
-        logp = ac.actor(second)["log_prob"]
-    m = second["mask"]
-    torch.testing.assert_close(logp[m], second["sample_log_prob"][m], atol=1e-4, rtol=1e-4)
 
 
 def test_main_job_runs_two_iterations_and_writes_its_outputs(tmp_path):
