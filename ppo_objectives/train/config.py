@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +24,7 @@ from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
 from ppo_objectives.train.loggers import LOGGERS, check_logger
 from ppo_objectives.train.monitor import FLAGS
-from ppo_objectives.train.ray_collector import import_ray
+from ppo_objectives.train.ray_collector import cluster_address, import_ray
 from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
 from ppo_objectives.value.gae import MaskedGAE
 
@@ -457,7 +456,7 @@ def _check_ray_launch(cfg: TrainConfig) -> None:
     """``--collector-backend ray``: ray is installed; under torchrun all ranks join one cluster (``--ray-address``)."""
     import_ray()
     world = launched_world_size()
-    if world > 1 and not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+    if world > 1 and not cluster_address(cfg.ray_address):
         raise ValueError(
             f"--collector-backend ray under torchrun ({world} ranks) needs --ray-address: each rank would start a "
             "Ray instance of its own; start one cluster (ray start --head) and pass --ray-address auto (or HOST:6379)"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ACTOR_RESOURCES", "RAY_INSTALL", "check_cluster_cpus", "connect", "import_ray", "make_ray_collector",
-           "ray_init_config"]
+__all__ = ["ACTOR_RESOURCES", "RAY_INSTALL", "check_cluster_cpus", "cluster_address", "connect", "import_ray",
+           "make_ray_collector", "ray_init_config"]
 
 #: How to install what ``--collector-backend ray`` needs.
 RAY_INSTALL = "pip install 'ppo_objectives[ray]'"
@@ -37,6 +37,17 @@ def import_ray():
     return ray
 
 
+def cluster_address(address: str) -> str:
+    """The cluster a run joins: ``--ray-address``, else ``RAY_ADDRESS`` (which Ray itself obeys), else ``""`` (a
+    local instance of its own).
+
+    Example:
+        >>> cluster_address("auto")
+        'auto'
+    """
+    return address or os.environ.get("RAY_ADDRESS", "")
+
+
 def ray_init_config(address: str, workers: int, world: int = 1) -> dict:
     """``ray.init``'s arguments: the cluster at ``address`` (or at ``RAY_ADDRESS``, which Ray itself obeys), or else
     a new local instance (``address="local"``: never the cluster a ``ray start`` left on this machine, which would
@@ -51,7 +62,7 @@ def ray_init_config(address: str, workers: int, world: int = 1) -> dict:
         64
     """
     quiet = dict(configure_logging=False, log_to_driver=False)
-    address = address or os.environ.get("RAY_ADDRESS", "")
+    address = cluster_address(address)
     if address:
         return dict(address=address, **quiet)
     cpus = max(workers * world, os.cpu_count() or 1)

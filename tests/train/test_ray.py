@@ -161,9 +161,12 @@ def test_config_refuses_an_unknown_backend():
 def test_ray_under_torchrun_needs_a_cluster_address(monkeypatch, tmp_path):
     for key, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = T.TrainConfig(collector_backend="ray", out=str(tmp_path))
     with pytest.raises(ValueError, match=r"under torchrun \(2 ranks\) needs --ray-address"):
         T.check_launch(cfg)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # the cluster Ray itself would join: accepted
+    T.check_launch(cfg)
 
 
 def test_a_cluster_with_too_few_cpus_is_refused_before_actors_wait_for_them():
