@@ -27,7 +27,12 @@ ACTOR_RESOURCES = {"num_cpus": 1, "num_gpus": 0}
 
 
 def import_ray():
-    """The ``ray`` module, or a ``ModuleNotFoundError`` that says how to install it."""
+    """The ``ray`` module, or a ``ModuleNotFoundError`` that says how to install it.
+
+    Example:
+        >>> import_ray().__name__  # installed with the ray (and test) extra
+        'ray'
+    """
     try:
         import ray
     except ImportError as err:
@@ -70,7 +75,19 @@ def ray_init_config(address: str, workers: int, world: int = 1) -> dict:
 
 
 def check_cluster_cpus(ray, workers: int, world: int, address: str) -> None:
-    """Refuse a cluster with fewer CPUs than the run's actors: TorchRL's Ray collector would wait for them forever."""
+    """Refuse a cluster with fewer CPUs than the run's actors: TorchRL's Ray collector would wait for them forever.
+
+    ``ray`` is the ``ray`` module (or anything with its ``cluster_resources()``).
+
+    Example:
+        >>> class OneCPU:
+        ...     cluster_resources = staticmethod(lambda: {"CPU": 1.0})
+        >>> check_cluster_cpus(OneCPU, workers=1, world=1, address="auto")  # enough: nothing happens
+        >>> check_cluster_cpus(OneCPU, workers=2, world=1, address="auto")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: --ray-address auto: the cluster has 1 CPUs, and --workers 2 on 1 learner rank(s) need 2 ...
+    """
     cpus = ray.cluster_resources().get("CPU", 0.0)
     need = workers * world
     if cpus < need:
@@ -82,7 +99,18 @@ def check_cluster_cpus(ray, workers: int, world: int, address: str) -> None:
 
 def connect(ray, init: dict) -> None:
     """``ray.init(**init)`` on a cluster; a refused connection says what to check, token authentication first
-    (``ray start`` turns it on, and a client without ``RAY_AUTH_MODE=token`` is refused)."""
+    (``ray start`` turns it on, and a client without ``RAY_AUTH_MODE=token`` is refused).
+
+    Example:
+        >>> class Refusing:
+        ...     @staticmethod
+        ...     def init(**kwargs):
+        ...         raise ConnectionError("refused")
+        >>> connect(Refusing, dict(address="10.0.0.1:6379"))
+        Traceback (most recent call last):
+        ...
+        ConnectionError: --ray-address 10.0.0.1:6379: could not connect to the Ray cluster (refused). Check ...
+    """
     try:
         ray.init(**init)
     except ConnectionError as err:

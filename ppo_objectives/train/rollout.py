@@ -51,7 +51,28 @@ def response_layout(batch: TensorDictBase, device: torch.device, P: int, M: int,
                     policy_version: int | None = None) -> TensorDictBase:
     """One collector batch of per-token steps ``[N, T]`` (``[workers, N, T]`` from workers) as the response layout
     ``[B]``, with the env's per-token reward copied where ``MaskedGAE`` reads it. With ``policy_version``, every
-    frame must first carry it (:func:`check_policy_version`)."""
+    frame must first carry it (:func:`check_policy_version`).
+
+    Example:
+        >>> from torchrl.collectors import Collector
+        >>> from ppo_objectives.train.digit import DigitTask
+        >>> from ppo_objectives.llm.env import TokenLMEnv
+        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+        >>> from ppo_objectives.llm.policy import make_actor
+        >>> env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=4, seed=0)
+        >>> actor = make_actor(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=16, block_size=6)))
+        >>> collector = Collector(env, actor, frames_per_batch=4 * 3, total_frames=12, reset_at_each_iter=True,
+        ...                       auto_register_policy_transforms=False, track_policy_version=True)
+        >>> batch = next(iter(collector))  # [N=4, T=3] steps, every frame at version 0
+        >>> collector.shutdown()
+        >>> llm = response_layout(batch, torch.device("cpu"), env.prompt_len, env.max_new_tokens, policy_version=0)
+        >>> llm["next", "reward"].shape, llm["mask"].shape
+        (torch.Size([4, 3]), torch.Size([4, 3]))
+        >>> response_layout(batch, torch.device("cpu"), env.prompt_len, env.max_new_tokens, policy_version=1)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: policy version: 12 of 12 frames were sampled with version(s) [0], ...
+    """
     if policy_version is not None:
         check_policy_version(batch, policy_version)
     llm = trajectories_to_llm_batch(batch.to(device), P, M)
