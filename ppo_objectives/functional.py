@@ -306,6 +306,7 @@ def response_log_probs(
     *,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities (and entropies) of the response tokens.
 
@@ -323,6 +324,8 @@ def response_log_probs(
         response_len: ``R``; requires ``prompt_lens[b] + R <= T``.
         return_entropy: also return the ``[B, R]`` entropies.
         chunk_size: rows (positions) per chunk; ``None`` picks one.
+        temperature: score ``log_softmax(logits / temperature)`` (divided after the upcast), the
+            distribution of a policy sampling at that temperature; ``1.0`` (no division) by default.
 
     Returns:
         ``[B, R]`` log-probs in float32 (float64 for float64 logits), or ``(logp, entropy)``.
@@ -353,6 +356,8 @@ def response_log_probs(
         raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{logits.shape[0]}]")
     if chunk_size is not None:
         _validate.check_int("chunk_size", chunk_size, low=1, what=" or None (rows per chunk)")
+    temperature = _validate.check_positive("temperature", temperature, what=" (the sampling temperature the logits "
+                                           "are divided by; 1.0 scores the model's own distribution)")
     positions = response_logp_positions(prompt_lens, response_len)
     T = logits.shape[1]
     if _validate.checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
@@ -371,7 +376,7 @@ def response_log_probs(
             f"such as {bad}; check the tokenizer / model pairing or the padding id"
         )
     logp, entropy = _logprobs.gathered_log_probs(
-        logits, positions, targets, return_entropy=return_entropy, chunk_size=chunk_size
+        logits, positions, targets, return_entropy=return_entropy, chunk_size=chunk_size, temperature=temperature
     )
     return (logp, entropy) if return_entropy else logp
 
@@ -387,6 +392,7 @@ def response_log_probs_from_hidden(
     mask: Tensor | None = None,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities (and entropies) of the response tokens from the last hidden states.
 
@@ -416,6 +422,8 @@ def response_log_probs_from_hidden(
         mask: ``[B, R]`` bool / {0, 1} (True = score this token), or ``None`` for every token.
         return_entropy: also return the ``[B, R]`` entropies.
         chunk_size: rows (positions) per chunk; ``None`` picks one.
+        temperature: score ``log_softmax((hidden @ W^T + bias) / temperature)`` (divided after the upcast),
+            the distribution of a policy sampling at that temperature; ``1.0`` (no division) by default.
 
     Returns:
         ``[B, R]`` log-probs in float32 (float64 for float64 ``hidden``), or ``(logp, entropy)``.
@@ -452,6 +460,8 @@ def response_log_probs_from_hidden(
         raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected [B] = [{B}]")
     if chunk_size is not None:
         _validate.check_int("chunk_size", chunk_size, low=1, what=" or None (rows per chunk)")
+    temperature = _validate.check_positive("temperature", temperature, what=" (the sampling temperature the logits "
+                                           "are divided by; 1.0 scores the model's own distribution)")
     positions = response_logp_positions(prompt_lens, response_len)
     m = None if mask is None else _validate.check_mask(mask, positions.shape, "the [B, response_len] log-probs")
     if _validate.checking_values() and positions.numel() > 0 and bool((positions[:, -1] + 1 >= T).any()):
@@ -473,7 +483,8 @@ def response_log_probs_from_hidden(
                 f"(or mask those positions out)"
             )
     logp, entropy = _logprobs.gathered_log_probs_from_hidden(
-        hidden, weight, bias, positions, targets, m, return_entropy=return_entropy, chunk_size=chunk_size
+        hidden, weight, bias, positions, targets, m, return_entropy=return_entropy, chunk_size=chunk_size,
+        temperature=temperature,
     )
     return (logp, entropy) if return_entropy else logp
 

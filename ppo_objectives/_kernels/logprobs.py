@@ -24,6 +24,11 @@ every chunk, arithmetic in place); the default ``c`` keeps them to about 1/8 of 
 single rows). Gradients are first-order only: the backward is marked ``once_differentiable``,
 so a double backward raises instead of silently being wrong.
 
+**Sampling temperature.** Both entry points take ``temperature=T``: each upcast chunk ``x`` is
+divided by ``T`` in place (``softmax(x / T)``, the distribution a policy sampling at temperature
+``T`` draws from) before the reduction, and the backward divides ``d loss / d (x / T)`` by ``T``.
+At ``T = 1`` the division is skipped, so the numbers are those without it, bit for bit.
+
 **From hidden states** (:func:`gathered_log_probs_from_hidden`, behind
 ``functional.response_log_probs_from_hidden``). Starting from logits, the model's head has already
 formed ``[B, T, V]`` (5 GB in bf16 at ``B=8, T=2048, V=151936``). The second Function starts one step
@@ -108,8 +113,8 @@ class _GatheredLogProbs(torch.autograd.Function):
     """Chunked ``log_softmax(...).gather`` (+ entropy) with a recomputing backward."""
 
     @staticmethod
-    def forward(ctx, logits, rows, targets, chunk, want_entropy):
-        # logits [B, T, V]; rows [N] flat row index b * T + p; targets [N]
+    def forward(ctx, logits, rows, targets, chunk, want_entropy, temperature=1.0):
+        # logits [B, T, V]; rows [N] flat row index b * T + p; targets [N]; the softmax is of logits / temperature
         b, t, v = logits.shape
         cd = _compute_dtype(logits)
         n = rows.numel()
@@ -121,6 +126,8 @@ class _GatheredLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             x = bufs.load(rows[s:e])  # [c, V] float32
+            if temperature != 1.0:
+                x.div_(temperature)
             picked = x.gather(-1, targets[s:e, None]).squeeze(-1)
             top = x.amax(dim=-1, keepdim=True)
             shifted = x.sub_(top)  # x - max, in place
@@ -136,6 +143,7 @@ class _GatheredLogProbs(torch.autograd.Function):
             lse[s:e] = lse_c
             logp[s:e] = picked - lse_c
         ctx.chunk = chunk
+        ctx.temperature = temperature
         ctx.shape = (b, t, v)
         ctx.want_entropy = want_entropy
         ctx.save_for_backward(logits, rows, targets, lse, entropy if want_entropy else lse)
@@ -161,7 +169,10 @@ class _GatheredLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             gl = grad_logp[s:e, None].to(cd)
-            logq = bufs.load(rows[s:e]).sub_(lse[s:e, None])  # log softmax, in place
+            x = bufs.load(rows[s:e])
+            if ctx.temperature != 1.0:
+                x.div_(ctx.temperature)
+            logq = x.sub_(lse[s:e, None])  # log softmax, in place
             if use_h:
                 # d/dx = -q * (g_logp + g_H * (log q + H)) (+ g_logp at the target)
                 q = torch.exp(logq, out=bufs.second[: e - s])
@@ -171,10 +182,12 @@ class _GatheredLogProbs(torch.autograd.Function):
             else:
                 g = logq.exp_().mul_(gl).neg_()  # -q * g_logp (+ g_logp at the target)
             g.scatter_add_(-1, targets[s:e, None], gl)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)  # d/d logits = d/d (logits / T) / T
             if bufs.raw is not None:
                 g = bufs.raw[: e - s].copy_(g)  # back to the logits' dtype, no new buffer
             grad.index_add_(0, rows[s:e], g)
-        return grad.view(b, t, v), None, None, None, None
+        return grad.view(b, t, v), None, None, None, None, None
 
 
 def gathered_log_probs(
@@ -184,6 +197,7 @@ def gathered_log_probs(
     *,
     return_entropy: bool,
     chunk_size: int | None,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """``log_softmax(logits[b, positions[b, j]])[targets[b, j]]`` and optionally its entropy.
 
@@ -194,6 +208,8 @@ def gathered_log_probs(
         targets: ``[B, R]`` int64 token ids into ``V``.
         return_entropy: also compute the ``[B, R]`` entropies in the same pass.
         chunk_size: scored rows per chunk; ``None`` uses :func:`default_chunk_size`.
+        temperature: the distribution is ``softmax(logits / temperature)`` (each upcast chunk is
+            divided by it; ``1.0`` skips the division).
 
     Returns:
         ``(logp [B, R], entropy [B, R] or None)``, float32 (float64 for float64 logits).
@@ -212,7 +228,7 @@ def gathered_log_probs(
     rows = (positions + torch.arange(b, device=positions.device).unsqueeze(1) * t).reshape(-1)
     tgt = targets.reshape(-1)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(logits, rows.numel())
-    logp, entropy = _GatheredLogProbs.apply(logits, rows, tgt, chunk, return_entropy)
+    logp, entropy = _GatheredLogProbs.apply(logits, rows, tgt, chunk, return_entropy, temperature)
     logp = logp.view(b, r)
     return logp, (entropy.view(b, r) if return_entropy else None)
 
@@ -262,8 +278,10 @@ class _HeadChunks:
     (the hidden states' dtype; cast once per pass, not saved) and ``[c, V]`` buffers reused by
     every chunk."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk: int, want_second: bool):
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk: int, want_second: bool,
+                 temperature: float = 1.0):
         pd = hidden.dtype
+        self.temperature = temperature
         self.cd = _compute_dtype_of(pd)
         self.flat = hidden.reshape(-1, hidden.shape[-1])  # [B * T, C]
         self.w = weight.to(pd)  # [V, C]
@@ -274,7 +292,8 @@ class _HeadChunks:
         self.raw = hidden.new_empty((chunk, v)) if pd != self.cd else None  # the matmul's own dtype
 
     def logits(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """``(x [k, V] compute dtype, h [k, C])``: ``x = h @ W^T (+ b)`` for ``h = hidden[rows]``."""
+        """``(x [k, V] compute dtype, h [k, C])``: ``x = (h @ W^T (+ b)) / temperature`` for ``h = hidden[rows]``
+        (the division in the compute dtype, skipped at temperature 1)."""
         k = rows.numel()
         h = self.flat.index_select(0, rows)
         x = self.x[:k]
@@ -285,6 +304,8 @@ class _HeadChunks:
             torch.addmm(self.b, h, self.w.t(), out=target)
         if self.raw is not None:
             x.copy_(target)
+        if self.temperature != 1.0:
+            x.div_(self.temperature)
         return x, h
 
     def operand(self, g: Tensor) -> Tensor:
@@ -319,15 +340,16 @@ class _HiddenLogProbs(torch.autograd.Function):
     """Chunked ``log_softmax(hidden[rows] @ W^T + b).gather`` (+ entropy) with a recomputing backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, targets, chunk, want_entropy):
+    def forward(ctx, hidden, weight, bias, rows, targets, chunk, want_entropy, temperature=1.0):
         # hidden [B, T, C]; weight [V, C]; bias [V] | None; rows [N] flat b * T + p; targets [N]
         n = rows.numel()
         chunk = max(1, min(chunk, n))
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=want_entropy)
+            bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=want_entropy,
+                               temperature=temperature)
             logp, lse, entropy = _lse_pass(bufs, rows, targets, chunk, want_entropy)
         del bufs
-        ctx.chunk, ctx.want_entropy = chunk, want_entropy
+        ctx.chunk, ctx.want_entropy, ctx.temperature = chunk, want_entropy, temperature
         ctx.set_materialize_grads(False)  # an unused output (a detached entropy) costs no backward work
         ctx.save_for_backward(hidden, weight, bias, rows, targets, lse, entropy)
         if want_entropy:
@@ -343,23 +365,24 @@ class _HiddenLogProbs(torch.autograd.Function):
         if not ctx.want_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             grads = _head_backward(
                 hidden, weight, bias, rows, targets, lse, entropy, grad_logp, grad_entropy, ctx.chunk,
-                (need_h, need_w, need_b and bias is not None),
+                (need_h, need_w, need_b and bias is not None), ctx.temperature,
             )  # fmt: skip
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
-def _head_backward(hidden, weight, bias, rows, targets, lse, entropy, grad_logp, grad_entropy, chunk, needs):
+def _head_backward(hidden, weight, bias, rows, targets, lse, entropy, grad_logp, grad_entropy, chunk, needs,
+                   temperature=1.0):
     """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where not needed), accumulated in the
     compute dtype over the chunks and returned in each input's dtype."""
     need_h, need_w, need_b = needs
     n = rows.numel()
     use_h = grad_entropy is not None
-    bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=use_h)
+    bufs = _HeadChunks(hidden, weight, bias, chunk if n else 0, want_second=use_h, temperature=temperature)
     cd = bufs.cd
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
@@ -379,7 +402,9 @@ def _head_backward(hidden, weight, bias, rows, targets, lse, entropy, grad_logp,
             g = q.mul_(scale).neg_()
         else:
             g = logq.exp_().mul_(gl).neg_()
-        g.scatter_add_(-1, targets[s:e, None], gl)  # [c, V] d loss / d logits
+        g.scatter_add_(-1, targets[s:e, None], gl)  # [c, V] d loss / d (logits / T)
+        if temperature != 1.0:
+            g.div_(temperature)  # d loss / d logits
         if acc_b is not None:
             acc_b.add_(g.sum(0))
         gp = bufs.operand(g)  # in the projection dtype
@@ -405,6 +430,7 @@ def gathered_log_probs_from_hidden(
     *,
     return_entropy: bool,
     chunk_size: int | None,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """``log_softmax(hidden[b, positions[b, j]] @ weight^T + bias)[targets[b, j]]`` (+ entropy), never
     forming the ``[B, T, V]`` logits; exactly 0 (zero gradient) where ``mask`` is False.
@@ -420,6 +446,8 @@ def gathered_log_probs_from_hidden(
             without one.
         return_entropy: also compute the ``[B, R]`` entropies in the same pass.
         chunk_size: scored rows per chunk; ``None`` uses :func:`default_hidden_chunk_size`.
+        temperature: the distribution is ``softmax((hidden @ weight^T + bias) / temperature)`` (each
+            projected chunk is divided by it in the compute dtype; ``1.0`` skips the division).
 
     Returns:
         ``(logp [B, R], entropy [B, R] or None)``, float32 (float64 for float64 hidden states).
@@ -445,7 +473,7 @@ def gathered_log_probs_from_hidden(
         rows, tgt = rows[keep], tgt[keep]
     if chunk_size is None:
         chunk_size = default_hidden_chunk_size(weight.shape[0], rows.numel(), hidden.dtype)
-    logp, entropy = _HiddenLogProbs.apply(hidden, weight, bias, rows, tgt, chunk_size, return_entropy)
+    logp, entropy = _HiddenLogProbs.apply(hidden, weight, bias, rows, tgt, chunk_size, return_entropy, temperature)
     if keep is not None:
         logp = logp.new_zeros(b * r).index_copy(0, keep, logp)
         if return_entropy:

@@ -696,6 +696,11 @@ class LLMToTokenBatch(Transform):
        batch with the policy (:class:`~ppo_objectives.llm.readouts.CausalLMTokenLogProbs`
        with ``out_key="sample_log_prob"`` under ``torch.no_grad()``), and compute the
        reference log-probs the same way, or use ``RetrieveKL(assistant_only=False)``.
+       Turns generated at a sampling temperature ``T`` (``generate_kwargs={"temperature": T}``)
+       are recomputed with ``CausalLMTokenLogProbs(..., temperature=T)``, and the loss's
+       actor read-out takes the same ``temperature=T``: the stored log-probs must be those
+       of the distribution sampled (TRL issue #4159). This conversion copies log-probs, it
+       computes none, so it takes no temperature itself.
 
     Args:
         pad_token_id: the id written at padding positions of ``tokens``.

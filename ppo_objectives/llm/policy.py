@@ -30,9 +30,26 @@ The same code drives :class:`~ppo_objectives.llm.models.TinyCausalLM` and
 ``cache_slots`` interface is the tiny model's); a model whose
 ``supports_kv_cache`` is False gets the full forward per token. Under a model's
 ``autocast_dtype`` the cache is kept in that dtype and rebuilt when it changes.
+
+**Sampling temperature.** :func:`make_actor`, :class:`NextTokenLogits` and
+:func:`sample_with_kv_cache` take ``temperature=T`` (default 1.0): tokens are drawn
+from ``softmax(logits / T)`` and the stored log-probs (``sample_log_prob``) are
+those of that distribution, the one actually sampled. The training-time
+read-outs (:func:`~ppo_objectives.llm.readouts.make_actor_critic`,
+:class:`~ppo_objectives.llm.readouts.ResponseLogProbs`,
+:class:`~ppo_objectives.llm.readouts.CausalLMTokenLogProbs`) take the same
+``temperature`` so that PPO's ratio compares one distribution with itself
+(TRL issue #4159). At ``T = 1`` nothing is divided: the numbers are bit for bit
+those without a temperature. ``T`` must be a finite number > 0; greedy decoding is
+not a temperature (``greedy=True``, or ``ExplorationType.DETERMINISTIC``). There is
+no top-k / top-p: a truncated sampler needs the same truncation in every loss-side
+read-out (and a sampled token can fall outside the updated policy's truncated set,
+a log-prob of ``-inf``), so it is not offered.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from tensordict.nn import (
@@ -48,6 +65,21 @@ from ppo_objectives.functional import value_checks
 from ppo_objectives.llm.models import KVCache, position_ids_from_mask
 
 __all__ = ["NextTokenLogits", "make_actor", "sample_with_kv_cache"]
+
+
+def check_temperature(temperature: object, where: str = "") -> float:
+    """``temperature`` as a float, or an error naming it and the fix (``where`` prefixes the message)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{where}temperature must be a float > 0 (the sampling temperature), got "
+                        f"{type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"{where}temperature={temperature!r} must be a finite number > 0: the logits are divided by it (1.0 "
+            f"samples the model's own distribution, below 1 sharpens it, above 1 flattens it). For greedy decoding "
+            f"do not use temperature 0: pass greedy=True (sample_with_kv_cache, evaluate) or sample under "
+            f"set_exploration_type(ExplorationType.DETERMINISTIC) (make_actor)"
+        )
+    return float(temperature)
 
 
 # --------------------------------------------------------------------------- #
@@ -66,6 +98,7 @@ def sample_with_kv_cache(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     greedy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample ``max_new_tokens`` tokens per row with the model's own KV cache.
 
@@ -80,11 +113,14 @@ def sample_with_kv_cache(
         prompt_ids / prompt_mask: ``[B, P]`` left-padded prompts and their mask.
         max_new_tokens: ``R``.
         greedy: take the most likely token instead of sampling (greedy decoding).
+        temperature: sample from ``softmax(logits / temperature)``; the returned log-probs are
+            those of this distribution (the one sampled). Greedy tokens do not depend on it.
 
     Returns:
         ``(response_ids [B, R], log_probs [B, R] float32, mask [B, R] bool)``;
         response tokens after EOS are ``pad_id`` with log-prob 0 and mask False.
     """
+    temperature = check_temperature(temperature, "sample_with_kv_cache: ")
     B, P = prompt_ids.shape
     device = prompt_ids.device
     cache = model.new_cache(B, P + max_new_tokens, device=device)
@@ -95,7 +131,7 @@ def sample_with_kv_cache(
     alive = torch.ones(B, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
     for j in range(max_new_tokens):
-        logp_all = torch.log_softmax(logits, dim=-1)
+        logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
         if greedy:
             tok = logp_all.argmax(-1)
         else:
@@ -142,6 +178,8 @@ class NextTokenLogits(nn.Module):
     without ``supports_kv_cache``, it runs a full forward. The positions and the
     token ids (against the model's ``vocab_size``) are checked in one host read,
     skipped under :func:`~ppo_objectives.functional.value_checks` ``(False)``.
+    With ``temperature=T`` the returned logits are the model's divided by ``T`` (in
+    float32; not at all at ``T = 1``): the logits of the distribution to sample.
 
     Example:
         >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
@@ -162,20 +200,26 @@ class NextTokenLogits(nn.Module):
     #: prefill + step path's (two forwards cost more per token on small batches).
     window_factor: float = 2.0
 
-    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True, value_head: nn.Module | None = None):
+    def __init__(self, model: nn.Module, *, use_kv_cache: bool = True, value_head: nn.Module | None = None,
+                 temperature: float = 1.0):
         super().__init__()
         self.model = model
         self.value_head = value_head
+        self.temperature = check_temperature(temperature, "NextTokenLogits: ")
         self.use_kv_cache = bool(use_kv_cache) and getattr(model, "supports_kv_cache", False)
         self.reset_cache()
 
     def _outputs(self, hidden: Tensor):
         """``logits [N, V]`` of the newest tokens' hidden states ``[N, C]``; with a value head also their
         values ``[N]`` (float32): the value of the state each next token is sampled in."""
-        logits = _head_logits(self.model, hidden)
+        logits = self._tempered(_head_logits(self.model, hidden))
         if self.value_head is None:
             return logits
         return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def _tempered(self, logits: Tensor) -> Tensor:
+        """``logits / temperature`` (``logits`` itself at temperature 1)."""
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def reset_cache(self) -> None:
         """Forget the cache (it is rebuilt on the next call)."""
@@ -224,7 +268,7 @@ class NextTokenLogits(nn.Module):
         hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
         h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
         if self.value_head is None:
-            return _head_logits(self.model, h).reshape(*lead, -1)
+            return self._tempered(_head_logits(self.model, h)).reshape(*lead, -1)
         logits, value = self._outputs(h)
         return logits.reshape(*lead, -1), value.reshape(lead)
 
@@ -325,11 +369,15 @@ def make_actor(
     log_prob_key: str = "sample_log_prob",
     value_head: nn.Module | None = None,
     value_key: str = "state_value",
+    temperature: float = 1.0,
 ) -> ProbabilisticTensorDictSequential:
-    """The env policy: ``Categorical(logits=NextTokenLogits(model)(obs))``.
+    """The env policy: ``Categorical(logits=NextTokenLogits(model)(obs) / temperature)``.
 
-    Writes ``logits`` ``[N, V]``, ``action`` ``[N]`` (a token id) and
-    ``sample_log_prob`` ``[N]`` (float32); with a ``value_head`` (a critic on the same
+    Writes ``logits`` ``[N, V]`` (the model's logits divided by ``temperature``: those of the
+    distribution sampled), ``action`` ``[N]`` (a token id) and
+    ``sample_log_prob`` ``[N]`` (float32, the log-prob of ``action`` under that distribution;
+    read it out for the loss at the same ``temperature``, e.g.
+    ``make_actor_critic(..., temperature=)``); with a ``value_head`` (a critic on the same
     trunk) also ``value_key`` ``[N]``, the value of the state the token was sampled in,
     from the same forward. Under
     ``set_exploration_type(ExplorationType.DETERMINISTIC)`` it picks the
@@ -351,8 +399,9 @@ def make_actor(
         >>> td["sample_log_prob"].shape
         torch.Size([1])
     """
+    temperature = check_temperature(temperature, "make_actor: ")
     logits = TensorDictModule(
-        NextTokenLogits(model, use_kv_cache=use_kv_cache, value_head=value_head),
+        NextTokenLogits(model, use_kv_cache=use_kv_cache, value_head=value_head, temperature=temperature),
         in_keys=[tokens_key, attention_mask_key, position_key],
         out_keys=["logits"] if value_head is None else ["logits", value_key],
     )

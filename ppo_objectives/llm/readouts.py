@@ -33,6 +33,15 @@ layout of TorchRL's LLM stack (also importable from
 :mod:`ppo_objectives.llm`). :func:`frozen_reference` is the job's
 reference policy: a frozen copy of the actor's LM read out like the actor.
 
+**Sampling temperature.** Every log-prob read-out takes ``temperature=T``
+(default 1.0) and scores ``log_softmax(logits / T)``, the distribution a policy
+sampling at ``T`` draws from (:mod:`ppo_objectives.llm.policy`): give it the
+rollout's temperature, or the PPO ratio is not 1 before the first update (TRL
+issue #4159). :func:`make_actor_critic` gives its env policy and its actor the same
+``T``; :func:`frozen_reference` scores the reference at ``T`` as well, so the KL
+penalty compares two distributions at one temperature (0 before the first update).
+At ``T = 1`` nothing is divided.
+
 Shape letters: ``B`` rows; ``P`` prompt width (left-padded prompts); ``R``
 response length; ``T`` tokens per row; ``H`` hidden size; ``V`` vocabulary.
 """
@@ -52,7 +61,7 @@ from ppo_objectives import _validate
 from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden, value_checks
 from ppo_objectives.llm.hf import hf_decoder, hf_forward
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
-from ppo_objectives.llm.policy import make_actor
+from ppo_objectives.llm.policy import check_temperature, make_actor
 
 __all__ = [
     "FROM_HIDDEN_MIN_VOCAB",
@@ -183,11 +192,12 @@ def read_log_probs(
     *,
     return_entropy: bool = False,
     entropy_grad: bool = True,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``[B, length]`` (and entropies) of the tokens ``input_ids[b, starts[b] + j]``.
 
-    ``logp[b, j] = log_softmax(logits[b, starts[b] - 1 + j])[input_ids[b, starts[b] + j]]``, by
-    :func:`ppo_objectives.functional.response_log_probs`. With ``entropy_grad=False`` (and
+    ``logp[b, j] = log_softmax(logits[b, starts[b] - 1 + j] / temperature)[input_ids[b, starts[b] + j]]``,
+    by :func:`ppo_objectives.functional.response_log_probs`. With ``entropy_grad=False`` (and
     gradients enabled) the entropy is computed without gradient: a logged diagnostic with a
     cheaper backward pass.
 
@@ -196,11 +206,12 @@ def read_log_probs(
         >>> read_log_probs(logits, torch.tensor([[1, 2, 3]]), torch.tensor([1]), 2)
         tensor([[-1.3863, -1.3863]])
     """
+    kw = dict(temperature=temperature)
     if not return_entropy or entropy_grad or not torch.is_grad_enabled():
-        return response_log_probs(logits, input_ids, starts, length, return_entropy=return_entropy)
-    logp = response_log_probs(logits, input_ids, starts, length)
+        return response_log_probs(logits, input_ids, starts, length, return_entropy=return_entropy, **kw)
+    logp = response_log_probs(logits, input_ids, starts, length, **kw)
     with torch.no_grad():  # entropy for logging only: keep it out of the backward pass
-        _, entropy = response_log_probs(logits.detach(), input_ids, starts, length, return_entropy=True)
+        _, entropy = response_log_probs(logits.detach(), input_ids, starts, length, return_entropy=True, **kw)
     return logp, entropy
 
 
@@ -305,7 +316,9 @@ class ResponseLogProbs(nn.Module):
     """Per-token log-probs (and entropies) of the response tokens, one full forward.
 
     ``input_ids [B, P + R]`` holds a left-padded prompt of width ``P`` and the
-    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j])[input_ids[b, P + j]]``.
+    response; ``logp[b, j] = log_softmax(logits[b, P - 1 + j] / temperature)[input_ids[b, P + j]]``
+    (``temperature`` defaults to 1: pass the one the responses were sampled at, see
+    :func:`~ppo_objectives.llm.policy.make_actor`; the entropy is that distribution's).
     Outputs ``[B, R]`` float32. With ``entropy_grad=False`` the entropy is computed
     without gradient (a logged diagnostic, no entropy bonus): cheaper backward.
 
@@ -349,10 +362,12 @@ class ResponseLogProbs(nn.Module):
         return_entropy: bool = True,
         entropy_grad: bool = True,
         from_hidden: bool | str = "auto",
+        temperature: float = 1.0,
     ):
         super().__init__()
         _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
         _check_from_hidden(from_hidden, "ResponseLogProbs")
+        self.temperature = check_temperature(temperature, "ResponseLogProbs: ")
         self.model = model
         self.prompt_len = prompt_len
         self.return_entropy = return_entropy
@@ -378,7 +393,8 @@ class ResponseLogProbs(nn.Module):
         logits = _trunk(self, input_ids, attention_mask, compute_logits=True).logits
         with value_checks(False):  # the positions are in range by construction
             return read_log_probs(
-                logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad
+                logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad,
+                temperature=self.temperature,
             )
 
     def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
@@ -393,7 +409,8 @@ class ResponseLogProbs(nn.Module):
         entropy = self.return_entropy
         with value_checks(False):  # positions and token ids were checked by construction and by the model
             out = response_log_probs_from_hidden(
-                hidden, weight, input_ids, starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy
+                hidden, weight, input_ids, starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy,
+                temperature=self.temperature,
             )
         if entropy and not self.entropy_grad:
             return out[0], out[1].detach()  # for logging only: no gradient flows through it
@@ -464,6 +481,7 @@ def make_actor_critic(
     log_prob_key: str = "log_prob",
     entropy_key: str = "entropy",
     value_key: str = "state_value",
+    temperature: float = 1.0,
 ) -> ActorCritic:
     """Actor and critic built from one causal LM, for the response layout.
 
@@ -493,6 +511,10 @@ def make_actor_critic(
             through the exposed LM head (no ``[B, T, V]`` logits), ``False`` from the
             model's logits, ``"auto"`` hidden states when the head is exposed and
             ``V >= FROM_HIDDEN_MIN_VOCAB`` (:class:`ResponseLogProbs`).
+        temperature: the sampling temperature, given to both the env policy (which samples
+            from ``softmax(logits / temperature)`` and stores those log-probs) and the actor
+            read-out (which scores the same distribution), so the PPO ratio is exactly the
+            policy change: 1 before the first update at any temperature. Default 1.0.
 
     **The value head starts at zero.** It is :func:`value_head` with
     ``init="zeros"`` (``w = 0``, ``c = 0``): every value is exactly 0 before the
@@ -520,21 +542,22 @@ def make_actor_critic(
         model = TinyCausalLM(model)
     if critic_model is None:
         critic_model = model if shared_trunk else copy.deepcopy(model)
+    temperature = check_temperature(temperature, "make_actor_critic: ")
     log_probs = ResponseLogProbs(model, prompt_len, return_entropy=True, entropy_grad=entropy_grad,
-                                 from_hidden=from_hidden)
+                                 from_hidden=from_hidden, temperature=temperature)
     values = ResponseValues(critic_model, prompt_len)
     shared = critic_model is model
     if shared:  # one trunk forward serves both read-outs of a batch; the env policy writes V_old too
         log_probs.shared_forward = values.shared_forward = SharedForward(model)
     policy = make_actor(model, use_kv_cache=use_kv_cache, value_head=values.value_head if shared else None,
-                        value_key=value_key)
+                        value_key=value_key, temperature=temperature)
     actor = TensorDictModule(log_probs, in_keys=["input_ids", "attention_mask"], out_keys=[log_prob_key, entropy_key])
     critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
     return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
 
 
 def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: torch.dtype | None = None,
-                     copy_model: bool = True) -> TensorDictModule:
+                     copy_model: bool = True, temperature: float = 1.0) -> TensorDictModule:
     """The frozen reference policy of the KL penalty: a copy of the actor's causal LM, in eval mode
     and without gradients, read out as per-token log-probabilities of the response.
 
@@ -546,6 +569,9 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: to
             and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
         copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
             checkpoint loaded again under ``--model``) instead of a ``copy.deepcopy``.
+        temperature: score ``log_softmax(logits / temperature)``: the rollout's sampling
+            temperature (as TRL does for its reference), so the KL penalty compares the policy
+            and the reference at one temperature and is 0 before the first update.
 
     Returns:
         A ``TensorDictModule`` reading ``input_ids`` and ``attention_mask`` (``[B, P + R]``) and
@@ -570,12 +596,14 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: to
             f"an HFCausalLMAdapter), got {type(actor_model).__name__}; pass ac.actor_model, not the TensorDict "
             f"read-out ac.actor"
         )
+    temperature = check_temperature(temperature, "frozen_reference: ")
     ref = (copy.deepcopy(actor_model) if copy_model else actor_model).eval().requires_grad_(False)
     if dtype is not None:
         ref = ref.to(dtype)
         ref.autocast_dtype = None  # its weights are in dtype already
     return TensorDictModule(
-        ResponseLogProbs(ref, prompt_len, return_entropy=False), ["input_ids", "attention_mask"], ["log_prob"]
+        ResponseLogProbs(ref, prompt_len, return_entropy=False, temperature=temperature),
+        ["input_ids", "attention_mask"], ["log_prob"],
     )
 
 
@@ -731,6 +759,14 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
     LM), and under ``torch.no_grad()`` with ``out_key="sample_log_prob"`` to
     recompute the sampling log-probs of a converted batch.
 
+    ``temperature=T`` scores ``log_softmax(logits / T)`` on both paths (the entropy too):
+    when the turns were generated at a temperature (``TransformersWrapper``'s
+    ``generate_kwargs={"temperature": T}``, vLLM's ``SamplingParams(temperature=T)``), give
+    the same ``T`` both to the actor read-out and to the recompute of ``sample_log_prob``
+    (after :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch`), or the PPO ratio is not 1
+    before the first update (TRL issue #4159). Top-k / top-p truncation is not modelled:
+    recompute with a sampler that used none.
+
     Args:
         model: a Hugging Face causal LM (the one inside ``TransformersWrapper``,
             ``wrapper.model``), called through :func:`~ppo_objectives.llm.hf.hf_forward`
@@ -742,6 +778,7 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         out_key: the log-prob output. Defaults to ``"log_prob"``.
         entropy_key: the entropy output; ``None`` skips it. Defaults to ``"entropy"``.
         from_hidden: ``True``, ``False`` or ``"auto"`` (above).
+        temperature: the sampling temperature (above). Defaults to 1.0 (no division).
     """
 
     def __init__(
@@ -754,9 +791,11 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         out_key: NestedKey = "log_prob",
         entropy_key: NestedKey | None = "entropy",
         from_hidden: bool | str = "auto",
+        temperature: float = 1.0,
     ):
         super().__init__()
         _check_from_hidden(from_hidden, "CausalLMTokenLogProbs")
+        self.temperature = check_temperature(temperature, "CausalLMTokenLogProbs: ")
         self.model = model
         self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
         self.out_key, self.entropy_key = out_key, entropy_key
@@ -780,7 +819,8 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
             zeros = logits.new_zeros(B, T, dtype=torch.float32)
             return zeros, zeros.clone()
         ones = torch.ones(B, dtype=torch.long, device=tokens.device)
-        lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True)  # tokens 1..T-1
+        lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True,
+                                 temperature=self.temperature)  # tokens 1..T-1
         pad = lp.new_zeros(B, 1)
         lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
         return _zero_off_mask(mask, lp, ent)
@@ -795,7 +835,7 @@ class CausalLMTokenLogProbs(TensorDictModuleBase):
         ones = torch.ones(B, dtype=torch.long, device=tokens.device)
         lp, ent = response_log_probs_from_hidden(
             hidden, weight, tokens, ones, T - 1, lm_head_bias=bias, mask=None if mask is None else mask[:, 1:],
-            return_entropy=True,
+            return_entropy=True, temperature=self.temperature,
         )  # fmt: skip
         pad = lp.new_zeros(B, 1)
         lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)

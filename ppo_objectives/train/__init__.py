@@ -150,9 +150,9 @@ Logged metrics (one row per iteration in ``DIR/metrics.csv``; plot ``DIR/trainin
     ``entropy``) in a row. The plot shades flagged iterations orange and collapsed ones red,
     and a run that collapsed ends with a :class:`TrainingCollapseWarning`.
 ``eval_greedy`` / ``eval_sampled`` / ``eval_s`` (text tasks)
-    Held-out mean reward (accuracy for a 0/1 reward) of greedy and sampled (T=1) completions of
-    the policy after this iteration's update, and the evaluation's wall time; empty on iterations
-    without an evaluation. Row ``0`` holds the pretrained model's, before any update.
+    Held-out mean reward (accuracy for a 0/1 reward) of greedy and sampled (at ``--temperature``,
+    default 1) completions of the policy after this iteration's update, and the evaluation's wall
+    time; empty on iterations without an evaluation. Row ``0`` holds the pretrained model's, before any update.
 
 Under ``torchrun`` the rollout numbers (``reward``, ``exact``, ``response_len``,
 ``seq_kl``) are over the responses of all ranks, ``episodes`` and ``tokens_per_s``
@@ -230,9 +230,10 @@ has the measurements behind each value.
 
 Held-out evaluation: at the start (row ``iteration = 0`` of ``metrics.csv``, its other columns
 empty), every ``--eval-every`` iterations (or each ``--eval-minutes`` of training time) and at
-the end, the held-out prompts (the task's held-out split; ``--eval-prompts`` for ``jsonl``) are
-answered greedily and sampled at temperature 1 (``--eval-samples`` per prompt): columns
-``eval_greedy`` / ``eval_sampled`` (the mean reward: the accuracy for a 0/1 reward) and
+the end, the held-out prompts (the task's held-out split; ``--eval-prompts`` for ``jsonl``, whose
+run without it, or with ``--eval-prompts none``, has no held-out evaluation) are
+answered greedily and sampled at ``--temperature`` (default 1; ``--eval-samples`` per prompt):
+columns ``eval_greedy`` / ``eval_sampled`` (the mean reward: the accuracy for a 0/1 reward) and
 ``eval_s``, shown on the progress bar and in the plot; a few prompt -> completion pairs of each
 evaluation go to ``DIR/samples.txt``. ``--time-limit MINUTES`` ends the run after that much
 training time, with a final evaluation, checkpoint and export.

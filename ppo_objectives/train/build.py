@@ -308,10 +308,11 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
     through DDP under torchrun (gradients all-reduced), or with ``--fsdp`` their models sharded in place."""
     critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
-                           entropy_grad=cfg.entropy_coeff > 0)
+                           entropy_grad=cfg.entropy_coeff > 0, temperature=cfg.temperature)  # policy and actor at T
     ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
     ref = frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
-                           copy_model=ref_lm is None)  # made before any sharding: the reference stays whole
+                           copy_model=ref_lm is None,  # made before any sharding: the reference stays whole
+                           temperature=cfg.temperature)  # the KL penalty compares both at --temperature
     if cfg.fsdp:
         actor, critic, ddp_wrappers = shard_fsdp(ac, d, device)
     elif d.group is not None:

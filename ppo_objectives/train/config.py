@@ -122,7 +122,8 @@ class TrainConfig:
     max_new_tokens: int = _rf("max_new_tokens", "text tasks: response budget M (the toy task's is its answer length)")
     eval_every: int = _rf("eval_every", "text tasks: held-out greedy and sampled accuracy every N iterations (and at "
                                         "the start and the end; 0: start and end only)")
-    eval_samples: int = _f(1, "text tasks: sampled completions per held-out prompt")
+    eval_samples: int = _f(1, "text tasks: sampled completions per held-out prompt, drawn at --temperature (the "
+                              "greedy completions do not depend on it)")
     eval_minutes: float = _f(0.0, "text tasks: evaluate whenever another this many minutes of training time (rollouts "
                                   "and updates) have passed, instead of every --eval-every iterations; 0 = off")
     preset: str = _f("nano", "TinyCausalLM size preset (ignored with --model)", choices=("pico", "nano", "micro"))
@@ -164,6 +165,11 @@ class TrainConfig:
     clip_value: float = _f(_default(TokenPPOLoss, "clip_value"), "value clip range around V_old")
     critic_coeff: float = _f(_default(TokenPPOLoss, "critic_coeff"), "weight of the value loss")
     entropy_coeff: float = _f(_default(TokenPPOLoss, "entropy_coeff"), "entropy bonus weight")
+    temperature: float = _f(1.0, "sampling temperature T > 0 of the rollouts: tokens are drawn from softmax(logits / "
+                                 "T), and the stored log-probs, the actor's log-probs in the loss (and its entropy) "
+                                 "and the reference's score that same distribution, so the PPO ratio starts at 1; "
+                                 "also the held-out sampled evaluation's. 1 = the model's own distribution (no top-k "
+                                 "/ top-p)")
     gamma: float = _f(_default(MaskedGAE, "gamma"), "discount")
     lmbda: float = _rf("lmbda", "GAE lambda (of the critic's value targets, and of the advantages unless --policy-lmbda or "
                             "--length-alpha is given)")
@@ -256,7 +262,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig length_alpha={self.length_alpha!r} must be a finite number > 0")
         if self.policy_lmbda is not None and self.length_alpha is not None:
             raise ValueError("--policy-lmbda and --length-alpha both set the advantages' lambda; give one of them")
-        for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm"):
+        if not _validate.is_real(self.temperature, low=0.0, strict=True):
+            raise ValueError(f"TrainConfig temperature={self.temperature!r} must be a finite number > 0 (--temperature "
+                             "divides the logits the rollouts sample from; 1 = the model's own distribution); greedy "
+                             "decoding is not a temperature: give e.g. --temperature 1 or 0.7")
+        for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm", "clip_value", "kl_target"):
             value = getattr(self, name)
             if not _validate.is_real(value, low=0.0, strict=True):
                 raise ValueError(f"TrainConfig {name}={value!r} must be a finite number > 0")
@@ -406,8 +416,8 @@ _GROUP_MEMBERS = {
     "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing"),
     "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
-    "PPO": ("num_envs", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff", "aggregation",
-            "early_stop_kl",
+    "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
+            "aggregation", "early_stop_kl",
             "no_rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",

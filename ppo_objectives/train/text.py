@@ -411,18 +411,20 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator: torch.Generator | None = None,
-             samples: int = 1, batch_size: int = 64) -> EvalResult:
+             samples: int = 1, batch_size: int = 64, temperature: float = 1.0) -> EvalResult:
     """Mean reward of ``model`` on every example of ``task`` (the accuracy for 0/1 rewards).
 
-    Greedy (``greedy=True``: the argmax token at each step) or sampled at temperature 1 from the
+    Greedy (``greedy=True``: the argmax token at each step; ``temperature`` does not change it) or
+    sampled at ``temperature`` (default 1; the job passes its ``--temperature``) from the
     whole vocabulary (``samples`` completions per example), ``task.answer_len`` new tokens, the
     episode ending at ``task.eos_id``, with the model's KV cache
     (:func:`~ppo_objectives.llm.policy.sample_with_kv_cache`). The model is put in eval mode for
     the call and restored.
     """
-    from ppo_objectives.llm.policy import sample_with_kv_cache
+    from ppo_objectives.llm.policy import check_temperature, sample_with_kv_cache
 
     _validate.check_int("samples", samples, low=1, where="evaluate ")
+    temperature = check_temperature(temperature, "evaluate: ")
     idx = torch.arange(len(task.examples)).repeat_interleave(1 if greedy else samples)
     device = next(model.parameters()).device
     was_training = model.training
@@ -432,7 +434,8 @@ def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator:
         for chunk in idx.split(batch_size):
             ids, pmask = task.prompt_ids[chunk].to(device), task.prompt_mask[chunk].to(device)
             resp, _, mask = sample_with_kv_cache(model, ids, pmask, task.answer_len, eos_id=task.eos_id,
-                                                 pad_id=task.pad_id, generator=generator, greedy=greedy)
+                                                 pad_id=task.pad_id, generator=generator, greedy=greedy,
+                                                 temperature=temperature)
             texts += task.completions(resp, mask)
     finally:
         model.train(was_training)

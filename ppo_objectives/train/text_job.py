@@ -80,11 +80,13 @@ class HeldOutEvaluation:
     """Greedy and sampled accuracy on the held-out task, and the samples log ``OUT/samples.txt``.
 
     Sampling uses its own generator (seeded from ``--seed``), so evaluating changes no random
-    stream of the training run: a run with and without evaluations trains the same.
+    stream of the training run: a run with and without evaluations trains the same. The sampled
+    completions are drawn at the run's ``--temperature``; greedy ones do not depend on it.
     """
 
     def __init__(self, task: TextTask | None, cfg, out: Path, main: bool):
         self.task, self.samples, self.main = task, cfg.eval_samples, main
+        self.temperature = cfg.temperature
         self.path = out / "samples.txt"
         self.generator = torch.Generator().manual_seed(cfg.seed + EVAL_SEED_OFFSET)
 
@@ -101,7 +103,8 @@ class HeldOutEvaluation:
             return {k: float("nan") for k in EVAL_COLUMNS}
         t0 = time.perf_counter()
         greedy = evaluate(model, self.task, greedy=True)
-        sampled = evaluate(model, self.task, greedy=False, generator=self.generator, samples=self.samples)
+        sampled = evaluate(model, self.task, greedy=False, generator=self.generator, samples=self.samples,
+                           temperature=self.temperature)
         if self.main:
             self._log(iteration, what, greedy, sampled)
         return dict(eval_greedy=greedy.accuracy, eval_sampled=sampled.accuracy, eval_s=time.perf_counter() - t0)
