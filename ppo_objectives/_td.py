@@ -97,13 +97,40 @@ def time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:
     )
 
 
-def step_shape(x: Tensor, batch_dims: int) -> tuple[torch.Size, bool]:
-    """``[*B, T]`` of a per-step entry, and whether ``x`` carries TorchRL's trailing ``1``.
+_STEP_FLAGS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 
-    The trailing singleton is TorchRL's per-step layout when the other dims are the
-    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
+
+def step_shape(x: Tensor, td: TensorDictBase, batch_dims: int | None = None) -> tuple[torch.Size, bool]:
+    """``[*B, T]`` of a per-token entry ``x`` of ``td``, and whether ``x`` carries TorchRL's trailing ``1``.
+
+    Two layouts give an entry one more dim than the TensorDict has batch dims:
+
+    - TorchRL's per-step layout: ``td`` is ``[*N, T]`` (time among the batch dims),
+      entries ``[*N, T, 1]``;
+    - the response layout: ``td`` is ``[B]`` (one row per response), entries ``[B, R]``.
+
+    They differ only when the last dim is 1. With two or more batch dims the entry is
+    per-step; with one batch dim it is per-step only when ``td`` carries TorchRL's
+    ``("next", "done" | "terminated" | "truncated")`` flags (a collector's trajectory
+    ``[T]``), else it is a response layout with ``R = 1`` (one-token answers), whose
+    token axis is kept: the rows are never read as the steps of one episode.
+    ``batch_dims`` (default ``td.batch_dims``) overrides the TensorDict's.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> one_token = TensorDict({"sample_log_prob": torch.zeros(4, 1)}, [4])   # 4 answers of 1 token
+        >>> step_shape(one_token["sample_log_prob"], one_token)
+        (torch.Size([4, 1]), False)
+        >>> trajectory = one_token.clone().set(("next", "done"), torch.zeros(4, 1, dtype=torch.bool))
+        >>> step_shape(trajectory["sample_log_prob"], trajectory)     # one trajectory of 4 steps
+        (torch.Size([4]), True)
     """
+    batch_dims = td.batch_dims if batch_dims is None else batch_dims
     trailing_one = x.ndim == batch_dims + 1 and x.shape[-1] == 1
+    if trailing_one and batch_dims == 1:
+        keys = td.keys(include_nested=True)
+        trailing_one = any(flag in keys for flag in _STEP_FLAGS)
     return (x.shape[:-1] if trailing_one else x.shape), trailing_one
 
 

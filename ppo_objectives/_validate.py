@@ -180,23 +180,37 @@ def check_kl_options(estimator: object, clamp: object) -> float | None:
     return None if clamp is None else check_positive("clamp", clamp)
 
 
-def check_log_probs(tensors: dict[str, Tensor], where: str = "kl_estimate") -> None:
-    """Log-probabilities are <= 0: a tensor whose finite values are all >= 0 with some above rounding holds
-    probabilities (or other non-negative scores), not log-probs (one host read; skipped under
-    ``value_checks(False)``). A tensor with any negative value passes, so whatever a caller's mask hides at
-    padded positions (garbage, NaN) never decides the check on its own."""
+# how far above 0 a log-probability may round (a log_softmax of a certain token can come out at +1e-7)
+LOG_PROB_TOLERANCE = 1e-3
+
+
+def check_log_probs(tensors: dict[str, Tensor | None], where: str = "kl_estimate", mask: Tensor | None = None) -> None:
+    """Log-probabilities are <= 0: a finite value above ``LOG_PROB_TOLERANCE`` at a valid position is an error
+    that names the tensor, its largest value and the fix (probabilities, logits or a sign error give one). Only
+    the positions of ``mask`` (all when ``None``) are read, so garbage at padded positions is never judged; NaN
+    and -inf pass (an impossible token's log-prob is -inf). One host read for all the tensors; skipped under
+    ``value_checks(False)`` and ``torch.compile``."""
     if not checking_values():
         return
-    for name, x in tensors.items():
-        if x is not None and x.numel() and x.is_floating_point():
-            finite = torch.isfinite(x)
-            low = float(torch.where(finite, x.detach(), 0.0).min())
-            top = float(torch.where(finite, x.detach(), -1.0).max())
-            if low >= 0.0 and top > 1e-3:
-                raise ValueError(
-                    f"{where}: {name} holds no negative value (max {top:.4g}), but log-probabilities are <= 0: "
-                    f"pass log-probs (torch.log(p), or log_softmax(logits).gather(...)), not probabilities"
-                )
+    named = [(name, x) for name, x in tensors.items() if x is not None and x.numel() and x.is_floating_point()]
+    if not named:
+        return
+    tops = []
+    for _, x in named:
+        x = x.detach()
+        keep = torch.isfinite(x) if mask is None else torch.isfinite(x) & mask
+        tops.append(torch.where(keep, x, float("-inf")).max().float())
+    tops = torch.stack(tops).tolist()
+    for (name, x), top in zip(named, tops):
+        if top > LOG_PROB_TOLERANCE:
+            lows = torch.where(torch.isfinite(x.detach()), x.detach(), 0.0)
+            what = ("holds no negative value, so it looks like probabilities" if float(lows.min()) >= 0.0
+                    else "is not a log-probability")  # fmt: skip
+            raise ValueError(
+                f"{where}: {name} has a value of {top:.4g} at a valid position, but log-probabilities are <= 0; "
+                f"it {what}: pass the log-probs of the sampled tokens (log_softmax(logits).gather(...), or "
+                f"torch.log(p)), not probabilities, logits or their negation"
+            )
 
 
 def check_scored_rows(m: Tensor) -> None:

@@ -88,6 +88,9 @@ KL_ESTIMATORS = _validate.KL_ESTIMATORS
 def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
     """Sum of ``x`` over valid positions (NaN at masked positions is ignored).
 
+    Accumulated and returned in float32 for half-precision inputs (float64 for
+    float64), so 70,000 float16 ones sum to 70,000, not ``inf``.
+
     Args:
         x: ``[*B, R]`` float tensor.
         mask: ``[*B, R]`` bool or {0, 1} tensor, True = take part.
@@ -119,7 +122,10 @@ def masked_mean(
     """Mean of ``x`` over valid positions: ``sum(x * m) / max(sum(m), 1)``.
 
     An empty mask (or an empty slice along ``dim``) gives 0. Masked positions
-    may hold NaN or inf; they are never read into the arithmetic.
+    may hold NaN or inf; they are never read into the arithmetic. Sum and count
+    are accumulated in float32 for half-precision inputs and the mean is
+    returned in float32 (float64 for float64): a float16 sum would overflow
+    past 65,504 and a float16 count past 65,504 tokens would make every mean 0.
 
     Args:
         x: ``[*B, R]`` float tensor.
@@ -148,7 +154,8 @@ def masked_mean(
     if process_group is not None and dim is not None:
         raise ValueError("masked_mean: process_group needs dim=None (a global mean over every rank's tokens)")
     if dim is None:
-        total, count = K.masked_sum(x, m), m.sum().to(x.dtype)
+        total = K.masked_sum(x, m)
+        count = m.sum().to(total.dtype)
         if process_group is not None:
             both = K.all_reduce_sum(torch.stack([total.detach(), count]), process_group)
             total, count = total + (both[0] - total.detach()), both[1]
@@ -156,7 +163,7 @@ def masked_mean(
         return out.reshape([1] * x.dim()) if keepdim else out
     total = K.masked_sum(x, m, dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim)
-    return total / count.clamp(min=1).to(x.dtype)
+    return total / count.clamp(min=1).to(total.dtype)
 
 
 def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group=None) -> Tensor:
@@ -164,7 +171,8 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
 
     ``var = sum(m * (x - mean)^2) / n`` (biased, MiniMind's default) or
     ``/ (n - 1)`` with ``unbiased=True``. Fewer than one valid token (two when
-    unbiased) gives 0.
+    unbiased) gives 0. Computed and returned in float32 for half-precision
+    inputs (float64 for float64).
 
     Args:
         x: ``[*B, R]`` float tensor.
@@ -185,7 +193,7 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False, process_group
     _validate.check_float("x", x)
     m = _validate.check_mask(mask, x.shape, "x")
     _validate.check_same_device(x=x, mask=mask)
-    return K.masked_moments(x, m, unbiased, process_group)[1]
+    return K.masked_moments(x.to(_validate.compute_dtype(x)), m, unbiased, process_group)[1]
 
 
 
@@ -1068,7 +1076,19 @@ def ppo_policy_loss(
       action cannot blow up the loss.
     - ``weights``: detached per-token weights ``w_t`` multiplying ``L_t`` before
       the aggregation (``agg(w_t L_t)``), e.g. the rollout-correction weights of
-      :func:`rollout_correction_weights`. The statistics stay those of the ratios.
+      :func:`rollout_correction_weights`. A valid token whose weight is exactly 0
+      is **rejected**: it leaves the mask, so it counts neither in the
+      denominator (the token count of ``token-mean``, the per-row token count of
+      ``seq-mean-token-mean``) nor in the sequences of the ``seq-mean-*``
+      modes once its row has no kept token, nor in the statistics. With 3 of 5
+      tokens rejected, ``token-mean`` divides by 2, not 5 (a rejected token would
+      otherwise shrink the loss by 5/2 for taking no part). The constant
+      normalisers of ``token-sum``, ``token-sum-norm`` and
+      ``seq-mean-token-sum-norm`` do not depend on which tokens take part and do
+      not change. A given ``normalizer=`` is used as it is: compute it on the kept
+      tokens, ``loss_normalizer(mask & (weights != 0), ...)``. The masking
+      rollout-correction modes give weight 0 to exactly the tokens they reject;
+      truncated IS (``token-tis``, ``seq-tis``) never gives 0.
 
     Args:
         log_prob: ``[*B, R]`` log-probs under the policy being optimised.
@@ -1091,15 +1111,16 @@ def ppo_policy_loss(
             ``dual_clip_fraction``. The names are those of TorchRL's ``ClipPPOLoss``
             outputs.
         weights: optional ``[*B, R]`` float per-token weights (detached; never
-            read at masked positions). ``None`` (default): every weight 1.
+            read at masked positions; 0 rejects the token, see above). ``None``
+            (default): every weight 1.
 
     Returns:
         scalar loss (float32, or float64 for float64 inputs), or ``(loss, stats)``.
 
     Example:
         >>> import torch
-        >>> new = torch.log(torch.tensor([[1.5, 1.0, 0.5]]))   # ratios 1.5, 1.0, 0.5
-        >>> old = torch.zeros(1, 3)
+        >>> old = torch.log(torch.tensor([[0.2, 0.2, 0.2]]))
+        >>> new = torch.log(torch.tensor([[0.3, 0.2, 0.1]]))   # ratios 1.5, 1.0, 0.5
         >>> adv = torch.tensor([[1.0, 1.0, -1.0]])
         >>> m = torch.ones(1, 3, dtype=torch.bool)
         >>> # max(-1.5, -1.2) = -1.2;  max(-1, -1) = -1;  max(0.5, 0.8) = 0.8;  mean = -1.4 / 3
@@ -1118,6 +1139,7 @@ def ppo_policy_loss(
         _validate.check_float("weights", weights)
         _validate.check_same_shape("log_prob", log_prob, weights=weights)
         _validate.check_same_device(log_prob=log_prob, weights=weights)
+    _validate.check_log_probs(dict(log_prob=log_prob, sample_log_prob=sample_log_prob), "ppo_policy_loss", m)
     return L.policy_loss(
         log_prob, sample_log_prob, advantages, m, eps_low, eps_high, dual_clip=dual_clip, aggregation=aggregation,
         norm=_validate.check_normalizer(normalizer, log_prob), weights=weights, stats=return_stats,
@@ -1136,6 +1158,7 @@ def approx_kl(log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor) -> Tensor
         tensor(0.2500)
     """
     m = _validate.check_token_tensors(mask, log_prob=log_prob, sample_log_prob=sample_log_prob)
+    _validate.check_log_probs(dict(log_prob=log_prob, sample_log_prob=sample_log_prob), "approx_kl", m)
     cd = _validate.compute_dtype(log_prob, sample_log_prob)
     d = torch.where(m, log_prob.detach().to(cd) - sample_log_prob.detach().to(cd), 0.0)
     return K.masked_mean(0.5 * d * d, m)
@@ -1147,6 +1170,8 @@ def approx_kl(log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor) -> Tensor
 # --------------------------------------------------------------------------- #
 
 ROLLOUT_CORRECTION_MODES = ("token-tis", "token-mis", "seq-tis", "seq-mis", "icepop", "geo-mask")
+# the modes that reject (weight 0) instead of truncating: ppo_policy_loss drops their rejected tokens from its mask
+ROLLOUT_REJECTION_MODES = ("token-mis", "seq-mis", "icepop", "geo-mask")
 _TWO_SIDED = ("icepop", "geo-mask")  # the lower bound defaults to 1 / threshold_high
 
 
@@ -1187,7 +1212,8 @@ def rollout_correction_weights(
     grow with the length as the product ``S`` does. The products and means are
     taken in log space (no overflow) over the valid tokens of each row; the
     bounds are inclusive. Pass the weights to :func:`ppo_policy_loss`
-    (``weights=``). Everything is detached and computed in float32 (or float64);
+    (``weights=``): there a weight of 0, a rejection, takes the token out of the
+    loss's mask, denominators included (see its ``weights``). Everything is detached and computed in float32 (or float64);
     garbage at masked positions is never read and the weights there are 0.
 
     Args:
@@ -1214,8 +1240,8 @@ def rollout_correction_weights(
 
     Example:
         >>> import torch
-        >>> old = torch.log(torch.tensor([[0.5, 1.0, 3.0]]))   # ratios 0.5, 1, 3 against rollout 0
-        >>> roll, m = torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+        >>> old = torch.log(torch.tensor([[0.05, 0.1, 0.3]]))   # ratios 0.5, 1, 3 against the rollout's 0.1
+        >>> roll, m = torch.full((1, 3), 0.1).log(), torch.ones(1, 3, dtype=torch.bool)
         >>> rollout_correction_weights(old, roll, m, "token-tis")
         tensor([[0.5000, 1.0000, 2.0000]])
         >>> rollout_correction_weights(old, roll, m, "icepop", threshold_low=0.6)
@@ -1228,6 +1254,8 @@ def rollout_correction_weights(
     """
     m = _validate.check_token_tensors(mask, sample_log_prob=sample_log_prob, rollout_log_prob=rollout_log_prob)
     high, low = _rollout_thresholds(mode, threshold_high, threshold_low)
+    _validate.check_log_probs(dict(sample_log_prob=sample_log_prob, rollout_log_prob=rollout_log_prob),
+                              "rollout_correction_weights", m)
     cd = _validate.compute_dtype(sample_log_prob, rollout_log_prob)
     zero = torch.zeros((), dtype=cd, device=sample_log_prob.device)
     log_w = torch.where(m, sample_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd), zero)

@@ -216,7 +216,16 @@ class TokenPPOLoss(LossModule):
             ``sample_log_prob`` and ``rollout_log_prob``); the per-token weights multiply
             the clipped surrogate (the ``weights=`` of
             :func:`~ppo_objectives.functional.ppo_policy_loss`). ``None`` (default): off,
-            ``rollout_log_prob`` is not read.
+            ``rollout_log_prob`` is not read. The masking modes (``token-mis``,
+            ``seq-mis``, ``icepop``, ``geo-mask``) reject tokens or whole sequences:
+            rejection is a mask on the policy-gradient term only. A rejected token
+            leaves ``loss_objective``'s denominator (and a sequence with no kept token
+            its sequence count) and the ratio diagnostics (``clip_fraction``,
+            ``kl_approx``, ``mean_ratio``, ...). ``loss_critic``, ``loss_entropy`` and
+            ``loss_kl_ref`` keep every valid token: the critic still learns the value of
+            the states the rollout visited, and the entropy bonus and the reference KL
+            still regularise the policy there; only the importance-weighted policy
+            gradient of a token whose sampler disagrees is dropped.
         rollout_threshold_high: the upper bound ``C`` >= 1 of the weights. Default 2.0.
         rollout_threshold_low: the lower bound of the masking modes, or ``None`` (their default).
         functional: hold the network parameters as TensorDictParams (TorchRL's default).
@@ -481,7 +490,9 @@ class TokenPPOLoss(LossModule):
             return net(tensordict.exclude(*outputs))
 
     @dispatch
-    def forward(self, tensordict: TensorDictBase, *, normalizer: torch.Tensor | float | None = None) -> TensorDictBase:
+    def forward(
+        self, tensordict: TensorDictBase, *, normalizer: torch.Tensor | float | None = None, process_group=None
+    ) -> TensorDictBase:
         """Compute the loss terms and diagnostics of one (mini)batch; ``tensordict`` is not modified.
 
         ``normalizer``: optional denominator of every ``loss_*`` aggregation (the
@@ -489,7 +500,12 @@ class TokenPPOLoss(LossModule):
         ``loss_normalizer(mask, loss.aggregation, process_group=pg)``: the valid-token
         count over all ranks, so that DDP's gradient average equals one process holding
         every rank's rows. ``None``: this minibatch's own count. Diagnostics stay local.
+
+        ``process_group``: the same, counted by the loss (one all-reduce per term that has
+        its own denominator). Needed instead of ``normalizer`` with a rejecting
+        ``rollout_correction``, whose policy term counts only the kept tokens of every rank.
         """
+        _check_denominators(self, normalizer, process_group)
         td = tensordict.clone(False)
         _check_batch_dims(td)
         nets = {"actor_network": self.actor_network}
@@ -506,10 +522,14 @@ class TokenPPOLoss(LossModule):
         log_prob, entropy = self._actor_outputs(td, batch)
         tensors = {name: getattr(batch, name) for name in _Batch._fields[2:] if getattr(batch, name) is not None}
         _validate.check_same_device(log_prob=log_prob, **tensors)
+        logps = dict(log_prob=log_prob, sample_log_prob=batch.sample_log_prob, ref_log_prob=batch.ref_log_prob,
+                     rollout_log_prob=batch.rollout_log_prob)  # fmt: skip
+        _validate.check_log_probs(logps, "TokenPPOLoss", batch.mask)
         norm = _validate.check_normalizer(normalizer, log_prob)
-        out = self._policy_terms(batch, log_prob, entropy, norm)
+        norm = norm if process_group is None else K.normalizer(batch.mask, self.aggregation, process_group)
+        out = self._policy_terms(batch, log_prob, entropy, norm, process_group)
         if self._has_critic:
-            self._critic_terms(td, batch, out, norm)
+            _critic_terms(self, td, batch, out, norm)
         return out
 
     def _read_batch(self, td: TensorDictBase) -> _Batch:
@@ -517,7 +537,7 @@ class TokenPPOLoss(LossModule):
         k = self.tensor_keys
         fix = "store the policy's per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
         sample_log_prob = TD.require(td, k.sample_log_prob, module="TokenPPOLoss", what="the sampling log-probs", fix=fix)
-        shape, _ = TD.step_shape(sample_log_prob, td.batch_dims)
+        shape, _ = TD.step_shape(sample_log_prob, td)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
         def get(key, name, what, fix="", required=True):
@@ -563,15 +583,16 @@ class TokenPPOLoss(LossModule):
                                                                     batch.ref))  # fmt: skip
         return log_prob, entropy
 
-    def _policy_terms(self, b: _Batch, log_prob: Tensor, entropy: Tensor | None, norm) -> TensorDict:
+    def _policy_terms(self, b: _Batch, log_prob: Tensor, entropy: Tensor | None, norm, process_group) -> TensorDict:
         """``loss_objective``, ``loss_kl_ref``, ``loss_entropy`` and the policy diagnostics (the batch is checked:
-        the arithmetic is the functional core's, unchecked)."""
+        the arithmetic is the functional core's, unchecked). Rejected tokens leave the policy term only."""
         eps_low, eps_high = _validate.check_clip_epsilon((self.clip_epsilon_low, self.clip_epsilon_high))
         advantage = K.whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
         weights, rollout_stats = _rollout_weights(self, b)
         loss_objective, stats = L.policy_loss(
             log_prob, b.sample_log_prob, advantage, b.mask, eps_low, eps_high, dual_clip=self.dual_clip,
-            aggregation=self.aggregation, norm=norm, weights=weights, stats=True,
+            aggregation=self.aggregation, norm=_policy_normalizer(self, b.mask, weights, norm, process_group),
+            weights=weights, stats=True,
         )  # fmt: skip
         out = TensorDict({"loss_objective": loss_objective, **rollout_stats})
         zero = loss_objective.new_zeros(())
@@ -590,24 +611,25 @@ class TokenPPOLoss(LossModule):
             out.set("dual_clip_fraction", stats["dual_clip_fraction"])
         return out
 
-    def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, norm) -> None:
-        """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
-        k = self.tensor_keys
-        values = TD.require(self._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
-                            what="the critic's values", fix="the critic network did not write its [B, R] values",
-                            collector_fix=False)  # fmt: skip
-        values = _validate.check_float("state_value", TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref))
-        _validate.check_same_device(state_value=values, mask=b.mask)
-        if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
-            loss_critic = L.value_loss(values, values.detach(), b.returns, b.mask, 1.0, aggregation=self.aggregation,
-                                       norm=norm)  # fmt: skip
-        else:
-            c = _validate.check_positive("clip_value", self.clip_value)
-            loss_critic, vstats = L.value_loss(values, b.old_values, b.returns, b.mask, c, aggregation=self.aggregation,
-                                               norm=norm, stats=True)  # fmt: skip
-            out.set("value_clip_fraction", vstats["value_clip_fraction"])
-        out.set("loss_critic", self.critic_coeff * loss_critic)
-        out.set("explained_variance", K.explained_variance(values.detach(), b.returns, b.mask))
+
+def _critic_terms(loss: TokenPPOLoss, td: TensorDictBase, b: _Batch, out: TensorDict, norm) -> None:
+    """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
+    k = loss.tensor_keys
+    values = TD.require(loss._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
+                        what="the critic's values", fix="the critic network did not write its [B, R] values",
+                        collector_fix=False)  # fmt: skip
+    values = _validate.check_float("state_value", TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref))
+    _validate.check_same_device(state_value=values, mask=b.mask)
+    if loss.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
+        loss_critic = L.value_loss(values, values.detach(), b.returns, b.mask, 1.0, aggregation=loss.aggregation,
+                                   norm=norm)  # fmt: skip
+    else:
+        c = _validate.check_positive("clip_value", loss.clip_value)
+        loss_critic, vstats = L.value_loss(values, b.old_values, b.returns, b.mask, c, aggregation=loss.aggregation,
+                                           norm=norm, stats=True)  # fmt: skip
+        out.set("value_clip_fraction", vstats["value_clip_fraction"])
+    out.set("loss_critic", loss.critic_coeff * loss_critic)
+    out.set("explained_variance", K.explained_variance(values.detach(), b.returns, b.mask))
 
 
 _REF_FIX = (
@@ -621,11 +643,32 @@ _ROLLOUT_FIX = (
 )
 
 
+def _check_denominators(loss: TokenPPOLoss, normalizer, process_group) -> None:
+    """``normalizer=`` and ``process_group=`` exclude each other, and a rejecting rollout correction needs the
+    latter: its policy term counts only the kept tokens, which a fixed count cannot know."""
+    if normalizer is not None and process_group is not None:
+        raise ValueError("TokenPPOLoss: give normalizer= or process_group=, not both (process_group= computes the "
+                         "denominators over every rank itself)")
+    if normalizer is not None and loss.rollout_correction in F.ROLLOUT_REJECTION_MODES:
+        raise ValueError(
+            f"TokenPPOLoss(rollout_correction={loss.rollout_correction!r}) rejects tokens, and a rejected token "
+            f"leaves the policy term's denominator, which a fixed normalizer= cannot know; pass "
+            f"process_group=pg (or None for this batch alone) instead of normalizer="
+        )
+
+
+def _policy_normalizer(loss: TokenPPOLoss, m: Tensor, weights: Tensor | None, norm, process_group):
+    """The policy term's denominator: the other terms' ``norm``, except under a rejecting rollout correction,
+    where it counts the kept tokens only (this batch's, or every rank's with a ``process_group``)."""
+    if weights is None or loss.rollout_correction not in F.ROLLOUT_REJECTION_MODES:
+        return norm
+    return None if process_group is None else K.normalizer(L.kept_mask(m, weights), loss.aggregation, process_group)
+
+
 def _reference_kl(loss: TokenPPOLoss, b: _Batch, log_prob: Tensor, norm) -> Tensor:
     """The aggregated in-loss KL to the reference (importance weighted with ``kl_importance_weighted``)."""
     old = b.sample_log_prob if loss.kl_importance_weighted else None
-    lp, ref, old = L.masked_log_probs(b.mask, log_prob, b.ref_log_prob, old)
-    _validate.check_log_probs(dict(log_prob=lp, ref_log_prob=ref, sample_log_prob=old), where="TokenPPOLoss")
+    lp, ref, old = L.masked_log_probs(b.mask, log_prob, b.ref_log_prob, old)  # checked as log-probs in forward
     return L.reference_kl(lp, ref, b.mask, estimator=loss.kl_estimator, clamp=loss.kl_clamp, sample_log_prob=old,
                           aggregation=loss.aggregation, norm=norm)
 

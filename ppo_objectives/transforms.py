@@ -144,7 +144,8 @@ class KLPenaltyTransform(Transform):
     The coefficient comes from ``kl_controller`` (a :class:`FixedKLController`
     when ``coeff`` is a float, or an :class:`AdaptiveKLController`); after each
     call ``last_kl`` (masked mean over tokens) and ``last_seq_kl`` (mean over
-    responses of the per-response sum) hold the observed KL, detached, for
+    responses of the per-response sum; a row with no valid token is not a
+    response and is not counted) hold the observed KL, detached, for
     ``kl_controller.update(...)``.
 
     Keys (names via :meth:`set_keys`, fields of :class:`KLPenaltyTransform._AcceptedKeys`):
@@ -354,14 +355,16 @@ class KLPenaltyTransform(Transform):
         fix = "store the policy's per-token log-probs at rollout time, or name the entry with set_keys(log_prob=...)"
         return TD.require(tensordict, self.tensor_keys.log_prob, module="KLPenaltyTransform", what="the sampling log-probs", fix=fix)
 
-    def _penalize(self, logp: Tensor, ref: Tensor, mask: Tensor | None, reward: Tensor | None, batch_dims: int):
-        """One dense batch: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or None)``.
+    def _penalize(self, logp: Tensor, ref: Tensor, mask: Tensor | None, reward: Tensor | None, td: TensorDictBase,
+                  batch_dims: int):
+        """One dense batch of ``td``: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or
+        None)``.
 
         Layout only: the arithmetic is :func:`~ppo_objectives.functional.kl_penalized_rewards`. A
-        trailing singleton is TorchRL's per-step layout when the other dims are the batch dims.
+        trailing singleton is TorchRL's per-step layout as :func:`ppo_objectives._td.step_shape` tells it.
         """
         k = self.tensor_keys
-        shape, _ = TD.step_shape(logp, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
+        shape, _ = TD.step_shape(logp, td, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
         if reward is not None and reward.shape == logp.shape + (1,):
             shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
@@ -403,13 +406,16 @@ class KLPenaltyTransform(Transform):
         return L.masked_kl(lp, ref_lp, m, self.estimator, self.clamp)
 
     def _record(self, kls: list[Tensor], masks: list[Tensor]) -> None:
-        """Observed KL of what was just penalised (detached): masked token mean, mean per-response sum."""
+        """Observed KL of what was just penalised (detached): masked token mean, and the mean per-response sum over
+        the responses with at least one valid token (an empty padding row is no response: it would pull the mean
+        towards 0)."""
         with torch.no_grad():
             flat_kl = torch.cat([k.reshape(-1) for k in kls]).float()
             flat_m = torch.cat([m.reshape(-1) for m in masks])
-            seq = torch.cat([k.sum(-1).reshape(-1) for k in kls]).float()
+            seq = torch.cat([k.float().sum(-1).reshape(-1) for k in kls])
+            rows = torch.cat([m.any(-1).reshape(-1) for m in masks])
             self.last_kl = K.masked_mean(flat_kl, flat_m).to(self.last_kl.device)
-            self.last_seq_kl = (seq.mean() if seq.numel() else seq.new_zeros(())).to(self.last_seq_kl.device)
+            self.last_seq_kl = K.masked_mean(seq, rows).to(self.last_seq_kl.device)
 
     # ------------------------------------------------------------------ offline path
 
@@ -417,7 +423,7 @@ class KLPenaltyTransform(Transform):
         """Penalise one dense TensorDict in place; returns ``(kl, mask)``."""
         k = self.tensor_keys
         kl, ref, m, new_reward = self._penalize(
-            logp, self._ref_log_prob(td), td.get(k.mask, None), self._get_reward(td), batch_dims
+            logp, self._ref_log_prob(td), td.get(k.mask, None), self._get_reward(td), td, batch_dims
         )
         td.set(k.kl, kl)
         td.set(k.ref_log_prob, ref.reshape(logp.shape))
@@ -462,7 +468,7 @@ class KLPenaltyTransform(Transform):
         refs = rows(self._ref_log_prob(tensordict))
         masks = rows(tensordict.get(k.mask, None)) or [None] * len(logps)
         rewards = rows(self._get_reward(tensordict)) or [None] * len(logps)
-        out = [self._penalize(lp, refs[i], masks[i], rewards[i], 1) for i, lp in enumerate(logps)]
+        out = [self._penalize(lp, refs[i], masks[i], rewards[i], tensordict, 1) for i, lp in enumerate(logps)]
         kls, out_ref, out_m, out_rew = (list(x) for x in zip(*out))
         self._record(kls, out_m)
         with warnings.catch_warnings():

@@ -1397,7 +1397,8 @@ refuse("KLPenaltyTransform-after-GAE", "composition",
        lambda: KLPenaltyTransform(coeff=0.1)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True)),
        ValueError, r"already holds 'advantage'.*run KLPenaltyTransform before MaskedGAE")
 refuse("kl_estimate-probabilities", "composition", lambda: F.kl_estimate(torch.tensor([[0.5, 0.25]]), torch.tensor([[-0.2, -1.0]])),
-       ValueError, r"log_prob holds no negative value \(max 0\.5\), but log-probabilities are <= 0: pass log-probs")
+       ValueError, r"log_prob has a value of 0\.5 at a valid position, but log-probabilities are <= 0; it holds no "
+                   r"negative value, so it looks like probabilities: pass the log-probs")
 refuse("TokenPPOLoss-no-reference-log-probs", "missing-key",
        lambda: _kit_loss(False)(_kit().response_batch(batch_size=2, response_len=3, with_advantage=True,
                                                       with_ref_log_prob=False)),

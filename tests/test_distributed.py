@@ -30,6 +30,8 @@ def _batch(seed=0, B=6, R=7, empty_rank1=False):
     """A global batch of B rows; rank r gets rows r::WORLD... here contiguous halves."""
     g = torch.Generator().manual_seed(seed)
     data = {k: torch.randn(B, R, generator=g, dtype=torch.float64) for k in ("r", "v", "new", "old", "ref", "vnew")}
+    for k in ("new", "old", "ref"):  # log-probs are <= 0: the same draws moved below 0 (differences unchanged)
+        data[k] = data[k] - 6.0
     mask = torch.rand(B, R, generator=g) > 0.3
     mask[0, 0] = True
     if empty_rank1:

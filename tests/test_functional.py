@@ -390,8 +390,9 @@ def test_aggregate_loss_flattens_leading_dims():
 @pytest.mark.parametrize("eps_hi,dual", [(None, None), (0.28, None), (None, 3.0), (0.3, 2.0)])
 def test_ppo_policy_loss_equals_naive(kind, eps_hi, dual, device):
     g = torch.Generator().manual_seed(11)
-    new = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5
-    old = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5
+    # both log-probs shifted by -3 (<= 0, as log-probs are); the ratios exp(new - old) are unchanged
+    new = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5 - 3.0
+    old = torch.randn(4, 9, generator=g, dtype=torch.float64) * 0.5 - 3.0
     adv = torch.randn(4, 9, generator=g, dtype=torch.float64)
     m = make_mask(4, 9, kind, generator=g)
     nan = float("nan")
@@ -406,6 +407,7 @@ def test_ppo_policy_loss_equals_naive(kind, eps_hi, dual, device):
 def test_ppo_policy_loss_equals_minimind_formula():
     g = torch.Generator().manual_seed(12)
     new, old, adv = (torch.randn(3, 7, generator=g) * 0.4 for _ in range(3))
+    new, old = new - 3.0, old - 3.0  # log-probs are <= 0; the shift leaves new - old (ratios, KL) unchanged
     mask = (torch.rand(3, 7, generator=g) > 0.3).float()
     ratio = torch.exp(new - old)
     want = (torch.max(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)) * mask).sum() / mask.sum().clamp(min=1)
@@ -421,8 +423,8 @@ def test_ppo_policy_loss_equals_minimind_formula():
 
 def test_policy_loss_clipped_for_high_ratio_has_zero_gradient():
     # ratio = e^0.5 = 1.65 > 1.2 with A > 0: the clipped branch is taken and the gradient vanishes
-    new = torch.tensor([[0.5]], requires_grad=True)
-    loss = ppo_policy_loss(new, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2)
+    new = torch.tensor([[-2.5]], requires_grad=True)  # log-probs -2.5 over -3: log ratio 0.5
+    loss = ppo_policy_loss(new, torch.full((1, 1), -3.0), torch.ones(1, 1), torch.ones(1, 1), 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2)
     assert new.grad.item() == 0.0
@@ -430,17 +432,17 @@ def test_policy_loss_clipped_for_high_ratio_has_zero_gradient():
 
 def test_policy_loss_dual_clip_caps_negative_advantage_loss():
     # ratio = e^2 = 7.39, A = -1: ordinary clip gives max(7.39, 1.2) = 7.39; dual clip caps at 3
-    new = torch.tensor([[2.0]])
-    loss = ppo_policy_loss(new, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2, dual_clip=3.0)
+    new, old = torch.tensor([[-1.0]]), torch.full((1, 1), -3.0)  # log-probs -1 over -3: log ratio 2
+    loss = ppo_policy_loss(new, old, -torch.ones(1, 1), torch.ones(1, 1), 0.2, dual_clip=3.0)
     assert loss.item() == pytest.approx(3.0)
-    _, stats = ppo_policy_loss(new, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2, dual_clip=3.0, return_stats=True)
+    _, stats = ppo_policy_loss(new, old, -torch.ones(1, 1), torch.ones(1, 1), 0.2, dual_clip=3.0, return_stats=True)
     assert stats["dual_clip_fraction"].item() == 1.0
 
 
 def test_policy_loss_stats_ratio_and_ess():
-    new = torch.log(torch.tensor([[1.0, 3.0, 7.0]]))
+    new = torch.log(torch.tensor([[1.0, 3.0, 7.0]])) - 3.0  # log-probs over old ones of -3: ratios 1, 3, 7
     m = torch.tensor([[1, 1, 0]])
-    _, s = ppo_policy_loss(new, torch.zeros(1, 3), torch.ones(1, 3), m, 0.2, return_stats=True)
+    _, s = ppo_policy_loss(new, torch.full((1, 3), -3.0), torch.ones(1, 3), m, 0.2, return_stats=True)
     # valid ratios 1 and 3: mean 2, max 3, ess = (1+3)^2 / (2 * (1+9)) = 0.8
     assert s["mean_ratio"].item() == pytest.approx(2.0)
     assert s["max_ratio"].item() == pytest.approx(3.0)
@@ -464,7 +466,8 @@ def test_policy_loss_inside_trust_region_equals_unclipped(lr, adv):
     # |log r| <= 0.18 keeps r in [0.835, 1.197], inside [0.8, 1.2]
     A = torch.tensor([adv[:n]], dtype=torch.float64)
     m = torch.ones(1, n, dtype=torch.bool)
-    loss = ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), A, m, 0.2)
+    # log-probs log_ratio - 3 over old ones of -3 (both <= 0): the ratio is exp(log_ratio)
+    loss = ppo_policy_loss(log_ratio - 3.0, torch.full_like(log_ratio, -3.0), A, m, 0.2)
     torch.testing.assert_close(loss, (-A * log_ratio.exp()).mean())
 
 
@@ -493,7 +496,7 @@ def test_kl_k3_plus_has_k2_gradient_and_k3_value():
 
 
 def test_kl_estimate_clamp_bounds_values():
-    lp, ref = torch.tensor([0.0, 0.0]), torch.tensor([30.0, -30.0])
+    lp, ref = torch.tensor([-30.0, -30.0]), torch.tensor([0.0, -60.0])  # log-probs <= 0; ref - lp = [30, -30]
     out = kl_estimate(lp, ref, "k3", clamp=10.0)
     assert out.tolist() == [10.0, 10.0]
     assert kl_estimate(lp, ref, "k1", clamp=10.0).tolist() == [-10.0, 10.0]
@@ -572,7 +575,7 @@ def test_garbage_at_masked_positions_changes_nothing(seed, garbage):
         adv, ret = masked_gae(a, b, m, 0.99, 0.9)
         return [
             adv, ret,
-            ppo_policy_loss(a * 0.1, b * 0.1, c, m, 0.2, dual_clip=3.0),
+            ppo_policy_loss(a * 0.1 - 3, b * 0.1 - 3, c, m, 0.2, dual_clip=3.0),  # log-probs <= 0
             reference_kl_penalty(a * 0.1 - 1, b * 0.1 - 1, m),
             clipped_value_loss(a, b, c, m, 0.2),
             masked_whiten(d, m),
@@ -591,8 +594,10 @@ def test_gradients_are_zero_at_masked_positions():
     vals = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
     old, adv, ref, ret = (torch.randn(3, 6, generator=g, dtype=torch.float64) for _ in range(4))
     m = torch.rand(3, 6, generator=g) > 0.5
+    # log-probs shifted by -3 to be <= 0: ratios, KL and the gradients with respect to new are unchanged
     total = (
-        ppo_policy_loss(new, old, adv, m, 0.2) + reference_kl_penalty(new, ref, m, estimator="k3+") + clipped_value_loss(vals, old, ret, m, 0.2)
+        ppo_policy_loss(new - 3, old - 3, adv, m, 0.2) + reference_kl_penalty(new - 3, ref - 3, m, estimator="k3+")
+        + clipped_value_loss(vals, old, ret, m, 0.2)
     )
     total.backward()
     assert (new.grad[~m] == 0).all() and (vals.grad[~m] == 0).all()
@@ -601,10 +606,12 @@ def test_gradients_are_zero_at_masked_positions():
 
 def test_losses_pass_gradcheck_float64():
     g = torch.Generator().manual_seed(16)
-    new = (torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1).requires_grad_()
+    # log-probs (new, old, ref) shifted by -3 to be <= 0: their differences are unchanged
+    new = (torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1 - 3.0).requires_grad_()
     vals = torch.randn(2, 4, generator=g, dtype=torch.float64).requires_grad_()
-    old = torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1
+    old = torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1 - 3.0
     adv, ret, ref = (torch.randn(2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = ref - 3.0
     m = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
     for mode in F.AGGREGATIONS:
         assert torch.autograd.gradcheck(lambda x: ppo_policy_loss(x, old, adv, m, 0.5, aggregation=mode), (new,))
@@ -613,8 +620,8 @@ def test_losses_pass_gradcheck_float64():
 
 
 def test_half_precision_inputs_compute_in_float32():
-    new = torch.randn(2, 5).bfloat16()
-    old = torch.randn(2, 5).bfloat16()
+    new = (torch.randn(2, 5) - 4).clamp(max=0).bfloat16()  # log-probs are <= 0
+    old = (torch.randn(2, 5) - 4).clamp(max=0).bfloat16()
     adv = torch.randn(2, 5).bfloat16()
     m = torch.ones(2, 5, dtype=torch.bool)
     assert ppo_policy_loss(new, old, adv, m, 0.2).dtype == torch.float32

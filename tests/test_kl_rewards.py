@@ -182,10 +182,11 @@ def _written_formula(logp, ref, estimator, clamp, old=None, score_grad=False):
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
 def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, clamp, weighted, score_grad):
     g = torch.Generator().manual_seed(0)
-    logp = (-3 * torch.rand(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
-    ref = -3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
+    # log-probs in [-6, -3]: every log-prob (old ones near logp included) stays <= 0
+    logp = (-3 - 3 * torch.rand(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = -3 - 3 * torch.rand(4, 6, generator=g, dtype=torch.float64)
     old = (logp.detach() + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)) if weighted else None
-    ref[0, 0], logp.data[0, 0] = 3.0, 0.0  # k3 = e^3 - 4 = 16.1: past a clamp of 10
+    ref[0, 0], logp.data[0, 0] = 0.0, -3.0  # ref - logp = 3, k3 = e^3 - 4 = 16.1: past a clamp of 10
     got = F.kl_estimate(logp, ref, estimator, clamp=clamp, sample_log_prob=old, score_grad=score_grad)
     (grad_got,) = torch.autograd.grad(got.sum(), logp)
     lp2 = logp.detach().clone().requires_grad_()
@@ -197,14 +198,15 @@ def test_every_kl_estimator_has_the_gradient_of_its_written_formula(estimator, c
 
 @pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
 def test_k3_plus_takes_k3s_value_and_keeps_k2s_gradient_past_the_clamp(clamp):
-    logp = torch.tensor([0.0, -1.0, -0.2], dtype=torch.float64, requires_grad=True)
-    ref = torch.tensor([3.0, -1.5, -0.1], dtype=torch.float64)
+    # log-probs <= 0; only ref - logp = [3, -0.5, 0.1] matters
+    logp = torch.tensor([-3.0, -4.0, -3.2], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([0.0, -4.5, -3.1], dtype=torch.float64)
     value = F.kl_estimate(logp, ref, "k3+", clamp=clamp)
     torch.testing.assert_close(value, F.kl_estimate(logp, ref, "k3", clamp=clamp).detach())  # the base value
     (grad,) = torch.autograd.grad(value.sum(), logp)
     torch.testing.assert_close(grad, -(ref - logp.detach()))  # d/dlogp of (ref - logp)^2 / 2, clamp or not
     if clamp == 10.0:
-        assert value[0].item() == 10.0 and grad[0].item() == -3.0  # logp=0, ref=3: value 10, gradient -3
+        assert value[0].item() == 10.0 and grad[0].item() == -3.0  # logp=-3, ref=0: value 10, gradient -3
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])

@@ -21,7 +21,7 @@ from ppo_objectives.value.gae import MaskedGAE
 
 def _batch():
     td = T.response_batch(batch_size=3, response_len=5, mask="holes", with_advantage=True, seed=3)
-    new = td["sample_log_prob"] + 0.1
+    new = td["sample_log_prob"] - 0.1  # log-probs stay <= 0 (kl_estimate, without a mask, reads every position)
     return td, new
 
 

@@ -71,8 +71,9 @@ def naive_stats(weights, clipped, rejected, mask):
 
 def batch(B=5, R=7, seed=0, scale=0.6, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    old = (-1.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
-    roll = (-1.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
+    # centred on -3 so that the log-probs stay <= 0; only the differences old - roll (the ratios) matter
+    old = (-3.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
+    roll = (-3.0 + scale * torch.randn(B, R, generator=g)).to(dtype)
     mask = make_mask(B, R, "empty_rows", generator=g)  # right padding, some rows empty
     return old, roll, mask
 
@@ -101,8 +102,10 @@ def test_weights_and_stats_match_the_naive_loop(mode, high, low):
 
 
 def test_each_mode_on_a_hand_computed_row():
-    old = torch.log(torch.tensor([[0.5, 1.0, 3.0, 9.0]]))
-    roll, m = torch.zeros(1, 4), torch.tensor([[True, True, True, False]])  # ratios 0.5, 1, 3 (9 masked)
+    # log-probs <= 0 with old - roll = log(ratio) exactly (one of the two is 0 at each token)
+    log_ratio = torch.log(torch.tensor([[0.5, 1.0, 3.0, 9.0]]))
+    old, roll = log_ratio.clamp(max=0.0), -log_ratio.clamp(min=0.0)
+    m = torch.tensor([[True, True, True, False]])  # ratios 0.5, 1, 3 (9 masked)
     expect = {
         "token-tis": [0.5, 1.0, 2.0, 0.0],
         "token-mis": [0.5, 1.0, 0.0, 0.0],
@@ -165,8 +168,8 @@ def test_ess_is_one_for_equal_weights_and_drops_with_spread():
     m = torch.ones(1, 4, dtype=torch.bool)
     _, s = F.rollout_correction_weights(torch.full((1, 4), -1.0), torch.full((1, 4), -1.2), m, return_stats=True)
     assert float(s["ESS"]) == pytest.approx(1.0)
-    old = torch.log(torch.tensor([[0.1, 1.0, 1.0, 1.9]]))
-    _, s = F.rollout_correction_weights(old, torch.zeros(1, 4), m, return_stats=True)
+    old = torch.log(torch.tensor([[0.1, 1.0, 1.0, 1.9]])) - 3.0  # ratios 0.1, 1, 1, 1.9 over rollout log-probs -3
+    _, s = F.rollout_correction_weights(old, torch.full((1, 4), -3.0), m, return_stats=True)
     assert 0.0 < float(s["ESS"]) < 1.0
 
 

@@ -17,9 +17,13 @@ def policy_loss(
     log_prob: Tensor, sample_log_prob: Tensor, advantages: Tensor, m: Tensor, eps_low, eps_high, *,
     dual_clip=None, aggregation: str = "token-mean", norm=None, weights: Tensor | None = None, stats: bool = False,
 ):  # fmt: skip
-    """``functional.ppo_policy_loss``: the loss, or ``(loss, stats)`` with ``stats=True``; ``weights`` checked."""
+    """``functional.ppo_policy_loss``: the loss, or ``(loss, stats)`` with ``stats=True``; ``weights`` checked.
+
+    A valid token whose weight is exactly 0 is rejected: it leaves ``m`` (:func:`kept_mask`)."""
     cd = compute_dtype(log_prob, sample_log_prob, advantages)
     zero = torch.zeros((), dtype=cd, device=log_prob.device)
+    if weights is not None:
+        m = kept_mask(m, weights)
     log_ratio = torch.where(m, log_prob.to(cd) - sample_log_prob.to(cd), zero)
     adv = torch.where(m, advantages.to(cd), zero)
     ratio = torch.exp(log_ratio)
@@ -38,6 +42,11 @@ def policy_loss(
         if dual_clip is not None:
             dual = (adv < 0) & (-adv * dual_clip < torch.maximum(unclipped, clipped))
         return loss, _ratio_stats(ratio.detach(), log_ratio.detach(), m, eps_low, eps_high, dual)
+
+
+def kept_mask(m: Tensor, weights: Tensor) -> Tensor:
+    """``m`` without the tokens whose weight is exactly 0 (``functional.ppo_policy_loss``'s rejection)."""
+    return m & (weights.detach() != 0)
 
 
 def _ratio_stats(r: Tensor, log_ratio: Tensor, m: Tensor, eps_low, eps_high, dual: Tensor | None) -> dict[str, Tensor]:

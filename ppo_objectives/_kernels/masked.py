@@ -45,16 +45,18 @@ def world_size(process_group) -> int:
 
 
 def masked_sum(x: Tensor, m: Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False) -> Tensor:
-    """``functional.masked_sum``."""
-    xs = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    """``functional.masked_sum``: accumulated and returned in the compute dtype (float32 for half inputs)."""
+    cd = compute_dtype(x)
+    xs = torch.where(m, x.to(cd), torch.zeros((), dtype=cd, device=x.device))
     if dim is None:
         return xs.sum().reshape([1] * x.dim()) if keepdim else xs.sum()
     return xs.sum(dim=dim, keepdim=keepdim)
 
 
 def masked_mean(x: Tensor, m: Tensor) -> Tensor:
-    """``functional.masked_mean(x, m)`` over every position."""
-    return masked_sum(x, m) / m.sum().to(x.dtype).clamp(min=1)
+    """``functional.masked_mean(x, m)`` over every position, in the compute dtype."""
+    total = masked_sum(x, m)
+    return total / m.sum().to(total.dtype).clamp(min=1)
 
 
 def masked_moments(
@@ -123,7 +125,7 @@ def aggregate(per_token: Tensor, m: Tensor, aggregation: str, norm: Tensor | flo
     """``functional.aggregate_loss``; ``norm`` is the checked ``normalizer=`` or ``None`` (the local count)."""
     if norm is None:
         norm = normalizer(m, aggregation)
-    flat, fm = rows(per_token), rows(m)
+    flat, fm = rows(per_token.to(compute_dtype(per_token))), rows(m)
     if aggregation in ("token-mean", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"):
         numerator = masked_sum(flat, fm)
     else:

@@ -134,13 +134,23 @@ class _PromptStream:
         self._cursor = 0
 
     def _rows(self, item) -> list[Tensor]:
-        """One source item -> 1-D prompts with the left padding stripped."""
-        if isinstance(item, dict) or isinstance(item, TensorDictBase):
-            ids = torch.as_tensor(item["input_ids"])
-            mask = item.get("attention_mask", None) if isinstance(item, dict) else item.get("attention_mask", None)
-            mask = torch.as_tensor(mask).bool() if mask is not None else ids != self.pad_id
-            ids = ids.reshape(-1, ids.shape[-1])
-            mask = mask.reshape(-1, ids.shape[-1])
+        """One source item -> 1-D prompts with the left padding stripped.
+
+        The padding is the ``attention_mask`` when the item has one. Without it, only **left** padding is
+        inferred, in a 2-D batch: the leading ``pad_id`` tokens of each row. A ``pad_id`` after a row's first
+        other token is a prompt token and is kept (a tokenizer whose pad id is a real token, e.g. SmolLM2's
+        ``<|im_end|>``), and a 1-D prompt is taken whole; right-padded prompts need their ``attention_mask``.
+        """
+        if isinstance(item, (dict, TensorDictBase)):
+            ids = torch.as_tensor(item["input_ids"], dtype=torch.long)
+            mask = item.get("attention_mask", None)
+            if mask is None:
+                return self._rows(ids)
+            mask = torch.as_tensor(mask)
+            if mask.shape != ids.shape:
+                raise ValueError(f"the prompt's attention_mask has shape {tuple(mask.shape)} but its input_ids "
+                                 f"{tuple(ids.shape)}: give one mask value per token (True = real token)")
+            ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1]).bool()
             return [r[m] for r, m in zip(ids, mask)]
         t = torch.as_tensor(item, dtype=torch.long)
         if t.dim() == 1:
@@ -270,6 +280,10 @@ class TokenLMEnv(EnvBase):
             list of token-id sequences (cycled in order), or any iterable /
             ``DataLoader`` yielding prompts, batches of them, or dicts with
             ``input_ids`` (+ ``attention_mask``); exhausted iterables restart.
+            Without an ``attention_mask``, only left padding is inferred: the
+            leading ``pad_id`` tokens of each row of a 2-D batch. A ``pad_id``
+            inside a prompt stays a prompt token; give right-padded prompts
+            their ``attention_mask``.
         reward_fn: ``(prompt_ids [k, P], prompt_mask [k, P], response_ids [k, M],
             response_mask [k, M]) -> [k]`` score of each **finished** response (only
             finished rows are passed), placed on its last token. Exactly ``[k]``: any

@@ -77,10 +77,11 @@ in which response token ``j`` was chosen.
 Batch shape: ``MaskedGAE``, ``KLPenaltyTransform``, ``TokenPPOLoss`` and the
 read-outs of :func:`~ppo_objectives.llm.readouts.make_actor_critic` all run on the
 ``[B]`` TensorDict as it comes. ``MaskedGAE`` prefers ``batch_size=[B, R]``
-when only ``[B, R]`` entries are in the TensorDict (as in a hand-built batch);
-in a ``[B]`` TensorDict a ``[B, R]`` entry with ``R == 1`` reads as TorchRL's
-per-step layout (one trajectory of ``B`` steps), so with one-token responses
-run ``MaskedGAE`` on a ``[B, R]`` TensorDict of the per-token entries.
+when only ``[B, R]`` entries are in the TensorDict (as in a hand-built batch).
+One-token responses (``R == 1``) keep their token axis: a ``[B]`` TensorDict with
+``[B, 1]`` entries is read as TorchRL's per-step layout (one trajectory of ``B``
+steps) only when it carries TorchRL's ``("next", "done" | "terminated" |
+"truncated")`` flags, which this layout never has (``ppo_objectives._td.step_shape``).
 
 Consumers: :class:`~ppo_objectives.llm.readouts.ResponseLogProbs` and
 :class:`~ppo_objectives.llm.readouts.ResponseValues` (the actor and critic of

@@ -491,9 +491,8 @@ def make_actor_critic(
     :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch` returns it (a
     ``[B, R]`` TensorDict cannot hold the ``[B, P + R]`` inputs).
     :class:`~ppo_objectives.value.gae.MaskedGAE` reads that same ``[B]`` TensorDict
-    (its "``[B]`` TensorDict with ``[B, R]`` entries" form); its preferred
-    ``batch_size=[B, R]`` fits a TensorDict of the per-token entries only, and
-    is the one to use when ``R == 1`` (see :mod:`ppo_objectives.llm.layouts`).
+    (its "``[B]`` TensorDict with ``[B, R]`` entries" form), ``R == 1`` included
+    (see :mod:`ppo_objectives.llm.layouts`, "Batch shape").
 
     Args:
         model: a causal LM (:class:`~ppo_objectives.llm.models.TinyCausalLM`,

@@ -217,9 +217,9 @@ def response_batch(
 
     ``trajectories_to_llm_batch`` only produces right padding (``mask="right"``);
     the other :data:`MASK_KINDS` test the masked semantics every module keeps
-    (holes are real tokens in ``attention_mask``, left padding is not). Use
-    ``response_len >= 2``: a ``[B]`` TensorDict with ``[B, 1]`` entries reads as
-    TorchRL's per-step layout (``ppo_objectives/llm/layouts.py``, "Batch shape").
+    (holes are real tokens in ``attention_mask``, left padding is not).
+    ``response_len=1`` gives one-token responses, which every module reads as
+    such (``ppo_objectives/llm/layouts.py``, "Batch shape").
 
     Args:
         batch_size / response_len / prompt_len: ``B``, ``R`` and ``P``.
@@ -273,7 +273,8 @@ def response_batch(
     if with_values:
         out.set("state_value", _fill((0.5 * torch.randn(B, R, generator=g)).to(dtype), m, masked_fill))
     if with_ref_log_prob:
-        ref = slp.double() + 0.1 * torch.randn(B, R, generator=g, dtype=torch.float64)
+        # near the samplers' log-probs, and <= 0 as log-probs are (a check refuses a positive one)
+        ref = (slp.double() + 0.1 * torch.randn(B, R, generator=g, dtype=torch.float64)).clamp(max=0.0)
         out.set("ref_log_prob", _fill(ref.to(dtype), m, masked_fill))
     if with_advantage:
         adv, ret = reference_gae_response(token_reward, out["state_value"], m, gamma, lmbda, average_gae=True)
@@ -428,7 +429,8 @@ def full_sequence_batch(
         out.set("state_value", step(_fill(v.to(dtype), m, masked_fill)))
         out.set(("next", "state_value"), step(_fill(nv.to(dtype), m, masked_fill)))
     if with_ref_log_prob:
-        ref = slp.double() + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)
+        # near the samplers' log-probs, and <= 0 as log-probs are (a check refuses a positive one)
+        ref = (slp.double() + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0.0)
         out.set("ref_log_prob", _fill(ref.to(dtype), m, masked_fill))
     return out.to(device) if device is not None else out
 

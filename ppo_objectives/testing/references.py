@@ -225,7 +225,9 @@ def reference_gae_tensordict(
     collector form), the flags and ``("next", "state_value")``; otherwise the
     response form. The time axis is the last of ``state_value``, a trailing 1 is
     TorchRL's per-step layout when the other dims are the TensorDict's batch
-    dims; the outputs come back in the layout of ``state_value``.
+    dims, two or more of them, or one with the flags present (a ``[B]``
+    TensorDict with ``[B, 1]`` entries and no flags holds responses of one
+    token); the outputs come back in the layout of ``state_value``.
 
     Args:
         td: a batch of any of the three layouts.
@@ -246,12 +248,14 @@ def reference_gae_tensordict(
     reward = td.get(("next", "reward"), None)
     if value is None or reward is None:
         raise KeyError("reference_gae_tensordict needs 'state_value' and ('next', 'reward') in the TensorDict")
-    trailing = value.ndim == td.batch_dims + 1 and value.shape[-1] == 1
+    flags = {k: td.get(("next", k), None) for k in ("done", "terminated", "truncated")}
+    has_flags = any(f is not None for f in flags.values())
+    # [B] with [B, 1] entries and no flags: responses of one token (the response layout), not one trajectory
+    trailing = value.ndim == td.batch_dims + 1 and value.shape[-1] == 1 and (td.batch_dims > 1 or has_flags)
     shape = value.shape[:-1] if trailing else value.shape
     r, v = _time_last(reward, shape), _time_last(value, shape)
     m = td.get("mask", None)
     m = None if m is None else _time_last(m, shape)
-    flags = {k: td.get(("next", k), None) for k in ("done", "terminated", "truncated")}
     if all(f is None for f in flags.values()):
         adv, ret = reference_gae_response(r, v, m, gamma, lmbda, average_gae=average_gae)
     else:
@@ -284,7 +288,8 @@ def reference_ppo_policy_loss(
         L = w * L                             with weights
 
     then the mean over the valid tokens (0 for an empty mask), the default of
-    :func:`~ppo_objectives.functional.ppo_policy_loss`.
+    :func:`~ppo_objectives.functional.ppo_policy_loss`. A token of weight 0 is
+    rejected: it is not counted among the valid tokens.
 
     Args:
         log_prob / sample_log_prob / advantages: ``[*B, R]`` float tensors.
@@ -298,12 +303,13 @@ def reference_ppo_policy_loss(
         A float64 scalar tensor.
 
     Example:
-        >>> new = torch.log(torch.tensor([[1.5, 1.0, 0.5]]))   # ratios 1.5, 1.0, 0.5
-        >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2)
+        >>> old = torch.full((1, 3), 0.2).log()
+        >>> new = torch.log(torch.tensor([[0.3, 0.2, 0.1]]))   # ratios 1.5, 1.0, 0.5
+        >>> reference_ppo_policy_loss(new, old, torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2)
         tensor(-0.4667, dtype=torch.float64)
-        >>> w = torch.tensor([[0.0, 3.0, 1.0]])                 # (0 * -1.2 + 3 * -1.0 + 1 * 0.8) / 3
-        >>> reference_ppo_policy_loss(new, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2, weights=w)
-        tensor(-0.7333, dtype=torch.float64)
+        >>> w = torch.tensor([[0.0, 3.0, 1.0]])                 # (3 * -1.0 + 1 * 0.8) / 2: the first is rejected
+        >>> reference_ppo_policy_loss(new, old, torch.tensor([[1.0, 1.0, -1.0]]), None, 0.2, weights=w)
+        tensor(-1.1000, dtype=torch.float64)
     """
     shape = _check_rewards(log_prob)
     new, old = _rows_of(log_prob, shape, "log_prob"), _rows_of(sample_log_prob, shape, "sample_log_prob")
@@ -315,7 +321,7 @@ def reference_ppo_policy_loss(
     total, n = 0.0, 0
     for b in range(len(new)):
         for t in range(shape[-1]):
-            if not m[b][t]:
+            if not m[b][t] or w[b][t] == 0.0:
                 continue
             a = adv[b][t]
             ratio = math.exp(new[b][t] - old[b][t])

@@ -79,12 +79,19 @@ def _check_scores(scores: object, group: object, mask: object) -> tuple[Tensor, 
 def _group_moments(s: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row ``(group size n, group mean, unbiased group variance)`` of flat float ``s`` ``[B]``.
 
-    The variance is ``sum((s - mean)^2) / (n - 1)`` (``torch.std``'s), 0 for a group of one.
+    The variance is ``sum((s - mean)^2) / (n - 1)`` (``torch.std``'s), 0 for a group of one. A group
+    whose scores are all equal gets its score as its mean and variance 0 exactly: the rounding of
+    ``sum / n`` (``16 * 0.7 / 16 != 0.7`` in float32) would otherwise leave ``s - mean`` at a few ulps,
+    which a division by the equally tiny std turns into advantages of order 0.1.
     """
     _, inverse = torch.unique(group.reshape(-1), return_inverse=True)  # the host synchronisation
     zeros = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
     n = zeros.clone().index_add_(0, inverse, torch.ones_like(s))[inverse]
     mean = zeros.clone().index_add_(0, inverse, s)[inverse] / n
+    high = zeros.scatter_reduce(0, inverse, s, "amax", include_self=False)[inverse]
+    low = zeros.scatter_reduce(0, inverse, s, "amin", include_self=False)[inverse]
+    equal = high == low
+    mean = torch.where(equal, s, mean)
     sq = (s - mean) ** 2
     var = zeros.clone().index_add_(0, inverse, sq)[inverse] / (n - 1).clamp(min=1)
     return n, mean, var

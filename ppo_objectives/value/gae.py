@@ -98,10 +98,11 @@ class MaskedGAE(ValueEstimatorBase):
     package's response layout is a ``[B]`` TensorDict holding ``[B, S]`` inputs
     next to ``[B, R]`` per-token entries, and runs as it comes. A trailing
     singleton is read as TorchRL's per-step layout when the other dims are the
-    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict),
-    so in a ``[B]`` TensorDict a ``[B, 1]`` entry (one-token responses) reads as
-    one trajectory of ``B`` steps: for ``R == 1`` run on a ``[B, R]`` TensorDict
-    of the per-token entries.
+    TensorDict's batch dims (``[N, T, 1]`` entries of an ``[N, T]`` TensorDict).
+    In a ``[B]`` TensorDict a ``[B, 1]`` entry is a response of one token (the
+    rows stay separate episodes) unless the TensorDict carries TorchRL's
+    ``("next", "done" | "terminated" | "truncated")`` flags, which mark one
+    collector trajectory of ``B`` steps.
 
     **Missing mask.** Without a ``mask`` entry every step takes part, as in
     TorchRL's collector batches (which have none); a padded response batch stored
@@ -382,7 +383,7 @@ class MaskedGAE(ValueEstimatorBase):
                             fix="the environment (or a reward transform) writes it under 'next'", collector_fix=False)
         fix = "no value_network was given: store the critic's values at rollout time or pass value_network="
         value = self._values(tensordict, keys.value, params, next_step=False, fix=fix)
-        shape, trailing_one = TD.step_shape(value, tensordict.batch_dims)
+        shape, trailing_one = TD.step_shape(value, tensordict)
         ref = f"value {keys.value!r}"
         r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
         v = TD.time_last(value, ref, shape, ref)
