@@ -249,7 +249,10 @@ used), written atomically (temporary file +
 ``os.replace``) every ``--save-every`` iterations and at the end; ``--resume``
 continues from it and appends to ``metrics.csv`` (dropping any rows logged after that
 checkpoint by the interrupted run, which are logged again). Its keys: ``iteration``,
-``config`` (the run's :class:`TrainConfig` as a dict), the state dicts ``actor_model``,
+``config`` (the run's :class:`TrainConfig` as a dict, plus ``input_sha256``: the sha256 of the
+files a ``--task jsonl`` run reads, so that ``--resume`` refuses an edited ``--prompts``,
+``--reward`` or ``--eval-prompts`` file by name unless ``--allow-change`` names it), the state
+dicts ``actor_model``,
 ``critic_model`` (the same tensors as ``actor_model`` with a shared trunk), ``critic_head``,
 ``reference``, ``actor_opt``, ``critic_opt``, ``kl_controller``, ``collapse_guard``,
 ``evaluation`` (text tasks: the held-out sampling generator), and the RNG states. To reload the

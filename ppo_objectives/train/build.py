@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -242,6 +242,7 @@ class Run:
     collector_iter: object = None
     evaluation: object = None  # text tasks: text_job.HeldOutEvaluation
     next_eval_s: float = 0.0  # --eval-minutes: the training time of the next evaluation
+    input_sha256: dict = field(default_factory=dict)  # --task jsonl: the input files' hashes, as read (checkpointed)
 
     @property
     def P(self) -> int:
@@ -268,6 +269,7 @@ def build(cfg: TrainConfig, d: Dist) -> Run:
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" and pg is not None else cfg.device)
     rank_seed = cfg.seed + _RANK_SEED_STRIDE * d.rank  # = seed on rank 0 / without torchrun
     task, held_out = _make_tasks(cfg)  # a DigitTask, or a TextTask and its held-out prompts
+    input_sha256 = text_job.input_sha256(cfg)  # what --resume holds the files against
     lm = _policy_lm(cfg, task, device)  # a TinyCausalLM preset, or --model DIR (toy: behind the task's tokens)
     env = _make_env(task, cfg.num_envs, str(device), rank_seed, vocab_size=lm.vocab_size, group_size=cfg.group_size)
     ckpt = load_checkpoint(out / "checkpoint.pt", d, device) if cfg.resume else None
@@ -285,7 +287,7 @@ def build(cfg: TrainConfig, d: Dist) -> Run:
     if cfg.fsdp:  # full state dicts, gathered on rank 0 and scattered back by --resume
         stateful = fsdp_stateful(stateful, ac)
     run = Run(cfg, d, out, device, task, env, ac, ref, ddp_wrappers, controller, kl_transform, gae, loss_module,
-               optimizers, guard, stateful, gen)
+               optimizers, guard, stateful, gen, input_sha256=input_sha256)
     if cfg.recipe == "pretrained":  # held-out accuracy; its sampling generator is checkpointed
         run.evaluation = stateful["evaluation"] = text_job.HeldOutEvaluation(held_out, cfg, out, d.main)
         run.next_eval_s = 60.0 * cfg.eval_minutes

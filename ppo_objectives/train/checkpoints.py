@@ -52,6 +52,11 @@ def restore_rng_states(ckpt: dict, rank: int, generator: torch.Generator, env_ge
 
 OPTIONAL_STATE = ("collapse_guard",)  # absent from checkpoints written before the collapse guard existed
 
+#: The key of a checkpoint's configuration that holds ``{flag: sha256}`` of the input files the run read (``--task
+#: jsonl``: ``--prompts``, ``--reward``'s file, ``--eval-prompts``); ``--resume`` refuses a file whose content changed.
+#: Absent from checkpoints written before it existed.
+INPUT_SHA256 = "input_sha256"
+
 
 def checkpoint_state(iteration: int, config: dict, d: Dist, stateful: Mapping[str, object], rng: dict) -> dict:
     """The checkpoint of a run after ``iteration``: ``config``, the world size, the ``state_dict()`` of

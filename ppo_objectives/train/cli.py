@@ -1,17 +1,21 @@
 """``python -m ppo_objectives.train``: the training job's command line.
 
 :func:`main` parses the flags into a :class:`~ppo_objectives.train.config.TrainConfig`, refuses
-what the run cannot honour with an ``error:`` line (exit 2), runs the iterations with the job's
-own loop (:func:`~ppo_objectives.train.loop.train`) or, with ``--loop torchrl``, with TorchRL's
+what the run cannot honour with one ``error:`` line that names the flag and the fix, after a
+one-line usage hint (exit 2, no traceback), runs the iterations with the job's own loop
+(:func:`~ppo_objectives.train.loop.train`) or, with ``--loop torchrl``, with TorchRL's
 ``Trainer`` (:func:`~ppo_objectives.train.trainer.train_with_trainer`; the same metrics), and
-prints a one-line summary.
+prints a one-line summary (its speed in s/it below one iteration a second; a text run without
+held-out prompts says so instead of an accuracy).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from ppo_objectives.train.config import TrainConfig, build_parser, check_launch
@@ -25,12 +29,35 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(**vars(args))
         check_launch(cfg)
     except (ValueError, TypeError, ImportError, OSError, RuntimeError) as err:
-        parser.error(str(err))
+        parser.error(flag_message(str(err)))
     t0 = time.perf_counter()
     rows = (train_with_trainer if cfg.loop == "torchrl" else train)(cfg)
     if rows and int(os.environ.get("RANK", 0)) == 0:
         print(_summary(rows, time.perf_counter() - t0, cfg))
     return 0
+
+
+#: Argument names of the modules a flag configures that are not the flag's own (``DigitTask(num_digits=...)``).
+_FLAG_OF = {"num_digits": "digits"}
+
+
+def flag_message(message: str) -> str:
+    """``message`` with the flag named: a check of :class:`TrainConfig` or of a module it configures reads
+    ``TrainConfig lr=0.0 must be ...`` or ``gamma=1.5 is outside ...``; on the command line that is ``--lr 0.0
+    must be ...``, ``--gamma 1.5 is outside ...`` (the flags are those arguments' names). Any other message is
+    returned as it is."""
+    match = re.match(r"(?:TrainConfig )?(\w+)=(\S+) (.*)", message, re.DOTALL)
+    names = {f.name for f in fields(TrainConfig)}
+    name = _FLAG_OF.get(match[1], match[1]) if match else None
+    if name not in names:
+        return message
+    return f"--{name.replace('_', '-')} {match[2]} {match[3]}"
+
+
+def _speed(iterations: int, wall: float) -> str:
+    """``"2.50 it/s"``, or seconds per iteration below one iteration a second (``"72.0 s/it"``)."""
+    rate = iterations / max(wall, 1e-9)
+    return f"{rate:.2f} it/s" if rate >= 1.0 else f"{wall / iterations:.1f} s/it"
 
 
 def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
@@ -45,12 +72,14 @@ def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
     collapsed = sum(int(r["collapse"]) for r in rows)
     spikes = sum(int(r["warn_kl_spike"]) for r in rows)
     held_out = ""
+    if cfg.recipe == "pretrained" and not evals:  # --task jsonl without --eval-prompts (or none)
+        held_out = "no held-out evaluation; "
     if len(evals) > 1:
         held_out = (f"held-out greedy {evals[0]['eval_greedy']:.3f} -> {evals[-1]['eval_greedy']:.3f}, sampled "
                     f"{evals[0]['eval_sampled']:.3f} -> {evals[-1]['eval_sampled']:.3f}; ")
     return (
         f"reward (mean of {k} iterations): start {first:.3f} -> end {last:.3f}; "
         f"exact-match at the end {rows[-1]['exact']:.2f}; {held_out}{len(rows)} iterations in "
-        f"{wall:.0f}s ({len(rows) / wall:.2f} it/s); collapsed iterations {collapsed}, KL spikes {spikes}; "
+        f"{wall:.0f}s ({_speed(len(rows), wall)}); collapsed iterations {collapsed}, KL spikes {spikes}; "
         f"metrics in {Path(cfg.out) / 'metrics.csv'}"
     )

@@ -19,13 +19,13 @@ import torch
 
 from ppo_objectives import _validate
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.train.checkpoints import read_run_config
+from ppo_objectives.train.checkpoints import INPUT_SHA256, read_run_config
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
 from ppo_objectives.train.loggers import LOGGERS, check_logger
 from ppo_objectives.train.monitor import FLAGS
 from ppo_objectives.train.ray_collector import cluster_address, import_ray
-from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS
+from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS, check_inputs, input_sha256
 from ppo_objectives.value.gae import MaskedGAE
 
 #: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
@@ -202,7 +202,7 @@ class TrainConfig:
                                                 "the collapse guard flags as a stall")
     save_every: int = _rf("save_every", "iterations between checkpoints (text tasks: and the OUT/hf export)")
     no_plot: bool = _f(False, "do not write training.png")
-    no_progress: bool = _f(False, "no progress bar")
+    no_progress: bool = _f(False, "no progress bars: neither the run's nor transformers' (\"Loading weights\")")
     logger: str = _f("none", "also log every metric to a TorchRL logger under OUT/logs (offline; rank 0); the "
                              'packages: pip install "ppo_objectives[loggers]"',
                      choices=("none", *LOGGERS))
@@ -244,9 +244,12 @@ class TrainConfig:
             )
         if self.logger not in ("none", *LOGGERS):
             raise ValueError(f"TrainConfig logger={self.logger!r} must be one of {('none', *LOGGERS)}")
-        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every",
+        if self.iterations == 0:  # a run of nothing, not a no-op that says nothing
+            raise ValueError("--iterations 0 runs no PPO iteration, so nothing would be trained or written; give "
+                             "--iterations 1 or more (--resume continues a run up to --iterations)")
+        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every", "seed",
                      "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup", "stall_patience"):
-            low = 0 if name in ("iterations", "warmup_steps", "threads", "eval_every", "critic_warmup") else 1
+            low = 0 if name in ("seed", "warmup_steps", "threads", "eval_every", "critic_warmup") else 1
             _validate.check_int(name, getattr(self, name), low=low, where="TrainConfig ")
         if not _validate.is_real(self.eval_minutes, low=0.0):
             raise ValueError(f"TrainConfig eval_minutes={self.eval_minutes!r} must be a number of minutes >= 0")
@@ -268,8 +271,12 @@ class TrainConfig:
                              "decoding is not a temperature: give e.g. --temperature 1 or 0.7")
         for name in ("lr", "critic_lr", "warmup_lr", "clip_epsilon", "max_grad_norm", "clip_value", "kl_target"):
             value = getattr(self, name)
-            if not _validate.is_real(value, low=0.0, strict=True):
+            if not _validate.is_real(value, low=0.0, strict=True) and not (name == "clip_value" and value is None):
                 raise ValueError(f"TrainConfig {name}={value!r} must be a finite number > 0")
+        for name in ("critic_coeff", "entropy_coeff", "kl_reward_coeff", "kl_to_ref_coeff"):  # checked before the run
+            if not _validate.is_real(getattr(self, name), low=0.0):
+                raise ValueError(f"TrainConfig {name}={getattr(self, name)!r} must be a float >= 0 and finite (0 "
+                                 f"switches that term off)")
 
     def _check_advantage(self) -> None:
         """A critic-free ``--advantage`` takes no critic option; groups fill ``--num-envs``."""
@@ -339,8 +346,18 @@ class TrainConfig:
         _validate.check_int("max_new_tokens", self.max_new_tokens, low=1, where="TrainConfig ")
 
 
+class _Parser(argparse.ArgumentParser):
+    """The job's parser: a user error is two lines on stderr, a one-line usage hint and ``PROG: error: MESSAGE``
+    (exit 2), instead of argparse's usage of every flag before it; ``--help`` still lists them all."""
+
+    def error(self, message: str):
+        one_line = " ".join(str(message).split())
+        hint = f"usage: {self.prog} [options]  (run with --help for all options)"
+        self.exit(2, f"{hint}\n{self.prog}: error: {one_line}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m ppo_objectives.train",
         description="Token-level PPO with a critic (TorchRL collector -> KLPenaltyTransform -> MaskedGAE -> "
         "TokenPPOLoss), on a toy digit task or on a pretrained Hugging Face model's text task (--model DIR --task "
@@ -438,10 +455,13 @@ def check_launch(cfg: TrainConfig) -> None:
 
     ``--device cuda`` without CUDA, a ``--logger`` whose package is missing, ``--fsdp`` or
     ``--shared-trunk`` where they cannot run, ``--collector-backend ray`` without ray (or under
-    torchrun without ``--ray-address``), an ``--out`` that is a file, and for ``--resume``:
-    no checkpoint in ``--out``, flags that differ from the checkpoint's (:data:`RESUME_MAY_CHANGE`
-    lists those that may), or nothing left to run. ``python -m ppo_objectives.train`` turns each
-    into an ``error:`` line (exit 2).
+    torchrun without ``--ray-address``), an ``--out`` that is (or lies under) a file, ``--allow-change``
+    without ``--resume``, a ``--model`` or text-task input that cannot be read
+    (:func:`~ppo_objectives.train.text_job.check_inputs`), and for ``--resume``: no checkpoint in
+    ``--out``, flags that differ from the checkpoint's (:data:`RESUME_MAY_CHANGE` lists those that
+    may), input files (``--prompts``, ``--reward``, ``--eval-prompts``) whose sha256 differs from the
+    checkpoint's, or nothing left to run. ``python -m ppo_objectives.train`` turns each into an
+    ``error:`` line (exit 2).
     """
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
@@ -458,6 +478,14 @@ def check_launch(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; give a directory (created if missing) for the run's outputs")
+    above = next(p for p in out.absolute().parents if p.exists())  # where --out would be created
+    if not above.is_dir():
+        raise FileExistsError(f"--out {out}: {above} is a file, so the directory cannot be created there; give a "
+                              f"directory path outside it")
+    if cfg.allow_change and not cfg.resume:
+        raise ValueError(f"--allow-change {cfg.allow_change} names flags a --resume may change, but this run does not "
+                         f"resume; add --resume (with the --out of the run to continue) or drop --allow-change")
+    check_inputs(cfg)  # --model, --prompts, --reward, --eval-prompts: readable before anything loads
     if cfg.resume:
         _check_resume(cfg, out)
 
@@ -475,7 +503,8 @@ def _check_ray_launch(cfg: TrainConfig) -> None:
 
 def _check_resume(cfg: TrainConfig, out: Path) -> None:
     """``--resume``: a checkpoint exists, its configuration is this run's but for :data:`RESUME_MAY_CHANGE` (and
-    ``--allow-change``), and iterations are left to run."""
+    ``--allow-change``), the input files it recorded (``--task jsonl``) have the same sha256, and iterations are
+    left to run."""
     saved = read_run_config(out)
     if saved is None:
         raise FileNotFoundError(
@@ -499,6 +528,16 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
             f"--resume: this run's flags differ from those of the run in {out}: {shown}; they change what the run "
             f"computes, so the resumed run would not continue it. Give the checkpoint's values, start a new --out, or "
             f"change them on purpose with --allow-change {','.join(n.replace('_', '-') for n in changed)}"
+        )
+    saved_sha, sha = config.get(INPUT_SHA256) or {}, input_sha256(cfg)  # the input files' contents, as flags are
+    edited = [n for n in saved_sha if n in sha and n not in allowed and saved_sha[n] != sha[n]]
+    if edited:
+        shown = ", ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)} (sha256 {sha[n][:12]}..., the checkpoint's: "
+                          f"{saved_sha[n][:12]}...)" for n in edited)
+        raise ValueError(
+            f"--resume: input files changed since the checkpoint in {out} was written: {shown}; the resumed run would "
+            f"train or evaluate on other data than the run it continues. Restore the files, start a new --out, or "
+            f"change them on purpose with --allow-change {','.join(n.replace('_', '-') for n in edited)}"
         )
     if iteration >= cfg.iterations:
         raise ValueError(f"--resume: nothing left to run: the checkpoint in {out} is at iteration {iteration} and "

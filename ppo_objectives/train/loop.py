@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from ppo_objectives.train import text_job
 from ppo_objectives.train.build import Run, build
-from ppo_objectives.train.checkpoints import checkpoint_state, rng_states, save_checkpoint, write_run_config
+from ppo_objectives.train.checkpoints import (
+    INPUT_SHA256,
+    checkpoint_state,
+    rng_states,
+    save_checkpoint,
+    write_run_config,
+)
 from ppo_objectives.train.config import METRICS, TrainConfig, check_launch, columns
 from ppo_objectives.train.distributed import (
     Dist,
@@ -54,17 +60,38 @@ def train(cfg: TrainConfig) -> list[dict[str, float]]:
 
 
 def run_training(cfg: TrainConfig, body) -> list[dict[str, float]]:
-    """The frame of a run: the launch checks, ``--threads``, the process group around ``body(cfg, d) -> rows``."""
+    """The frame of a run: the launch checks, ``--threads``, the process group around ``body(cfg, d) -> rows``;
+    ``--no-progress`` also silences transformers' progress bars ("Loading weights", ...) for the run."""
     check_launch(cfg)
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     d = init_distributed(cfg.device)
     try:
-        return body(cfg, d)
+        with _hf_progress_bars(not cfg.no_progress):
+            return body(cfg, d)
     finally:
         torch.set_num_threads(threads_before)
         close_distributed(d)  # body has returned: its DDP wrappers are freed while the group is alive
+
+
+@contextlib.contextmanager
+def _hf_progress_bars(shown: bool):
+    """transformers' own progress bars off inside (``shown=False``; as they were after), on as they are otherwise;
+    nothing to do without transformers."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    before = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if before and not shown:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager
@@ -179,7 +206,7 @@ def _out_of_time(cfg: TrainConfig, train_s: float, pg, device: torch.device) -> 
 def _save(run: Run, iteration: int) -> None:
     """``checkpoint.pt`` and the plot; for a text task also the actor as a Hugging Face directory, ``OUT/hf``."""
     rng = rng_states(run.gen, run.env._generator, run.device)
-    _checkpoint(iteration, run.cfg, run.d, run.stateful, rng, run.out)
+    _checkpoint(iteration, run.cfg, run.d, run.stateful, rng, run.out, run.input_sha256)
     if run.d.main and run.cfg.recipe == "pretrained":
         text_job.export_hf(run.ac.actor_model, run.task.tokenizer, run.out / "hf")
 
@@ -196,8 +223,10 @@ def _log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) ->
     if d.main:
         append_metrics(out / "metrics.csv", row, columns(cfg))
         log_row(logger, row, 0, columns(cfg))
-        print(f"held-out before training: greedy {row['eval_greedy']:.3f}, sampled {row['eval_sampled']:.3f}",
-              file=sys.stderr, flush=True)
+        line = (f"held-out before training: greedy {row['eval_greedy']:.3f}, sampled {row['eval_sampled']:.3f}"
+                if not math.isnan(row["eval_greedy"]) else
+                "no held-out evaluation (--task jsonl without --eval-prompts, or --eval-prompts none)")
+        print(line, file=sys.stderr, flush=True)
     return row
 
 
@@ -244,12 +273,16 @@ def _log_iteration(row: dict, guard: CollapseGuard, d: Dist, out: Path, bar, log
     return row
 
 
-def _checkpoint(iteration: int, cfg: TrainConfig, d: Dist, stateful: dict, rng: dict, out: Path) -> None:
-    """Write ``checkpoint.pt`` (rank 0; a collective under torchrun) and redraw the plot: it follows the run."""
-    state = checkpoint_state(iteration, asdict(cfg), d, stateful, rng)
+def _checkpoint(iteration: int, cfg: TrainConfig, d: Dist, stateful: dict, rng: dict, out: Path,
+                input_sha256: dict | None = None) -> None:
+    """Write ``checkpoint.pt`` (rank 0; a collective under torchrun) and redraw the plot: it follows the run.
+    The saved configuration is the flags plus ``input_sha256``, the hashes of the input files the run read
+    (``--task jsonl``), which ``--resume`` holds the files against."""
+    config = {**asdict(cfg), INPUT_SHA256: dict(input_sha256 or {})}
+    state = checkpoint_state(iteration, config, d, stateful, rng)
     if d.main:
         save_checkpoint(out / "checkpoint.pt", state)
-        write_run_config(out, iteration, asdict(cfg))  # what --resume compares its flags with
+        write_run_config(out, iteration, config)  # what --resume compares its flags and input files with
         if not cfg.no_plot:
             plot_metrics(out / "metrics.csv", out / "training.png")
 

@@ -57,6 +57,7 @@ Example (write a checkpoint, load it for the task, score a batch):
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -306,12 +307,39 @@ class TokenMappedLM(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
-def _check_checkpoint_dir(path) -> Path:
+#: A Hugging Face Hub id, ``org/name`` (``HuggingFaceTB/SmolLM2-135M-Instruct``): named as such when it is no directory.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+#: The converter that writes a local checkpoint directory of a real model (SmolLM2-135M-Instruct, offline).
+CONVERTER = "python -m ppo_objectives.pretrained --gguf smollm2 --out DIR"
+
+
+def check_checkpoint_dir(path) -> Path:
+    """``path`` as a checkpoint directory (``--model``): it exists, is a directory and holds ``config.json``.
+
+    A path that does not exist is named as such, and one that reads as a Hub id (``org/name``) is told that only
+    local directories load (nothing is downloaded at run time), with the converter that writes one (:data:`CONVERTER`).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, is a file, or has no ``config.json``.
+    """
     path = Path(path)
+    if not path.exists() and _HUB_ID.fullmatch(str(path)):
+        raise FileNotFoundError(
+            f"--model {path} looks like a Hugging Face Hub id, but --model takes a local checkpoint directory only "
+            f"(nothing is downloaded at run time); write one first, e.g. {CONVERTER} (SmolLM2-135M-Instruct, "
+            f"offline), then pass --model DIR"
+        )
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--model {path}: no such directory (the path does not exist); give a directory written by "
+            f"save_pretrained (config.json + weights), e.g. {CONVERTER}, or python -m ppo_objectives.pretrained "
+            f"--arch llama --out DIR for a tiny one"
+        )
     if not path.is_dir():
         raise FileNotFoundError(
-            f"--model {path}: no such directory; give a directory written by save_pretrained (config.json + "
-            f"weights), e.g. python -m ppo_objectives.pretrained --arch llama --out {path}"
+            f"--model {path} is a file, not a directory; give the checkpoint directory that holds config.json and "
+            f"the weights (save_pretrained's output, or {CONVERTER})"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -321,11 +349,16 @@ def _check_checkpoint_dir(path) -> Path:
     return path
 
 
+def has_tokenizer(path) -> bool:
+    """Whether checkpoint directory ``path`` holds a tokenizer (``tokenizer.json`` / ``tokenizer_config.json``)."""
+    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_tokenizer(path):
     """The tokenizer saved in checkpoint directory ``path`` (``AutoTokenizer.from_pretrained(path,
     local_files_only=True)``), or ``None`` when there is no ``tokenizer.json`` / ``tokenizer_config.json``."""
     path = Path(path)
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
@@ -390,7 +423,7 @@ def load_causal_lm(path, *, autocast_dtype: torch.dtype | None = None,
     Raises:
         FileNotFoundError: ``path`` is not a directory, or has no ``config.json``.
     """
-    path = _check_checkpoint_dir(path)
+    path = check_checkpoint_dir(path)
     adapter = HFCausalLMAdapter.from_pretrained(str(path), autocast_dtype=autocast_dtype)
     if grad_checkpointing:
         _enable_grad_checkpointing(adapter.hf_model)
@@ -566,7 +599,7 @@ def _load_source(source: str):
 
     path = Path(source)
     if path.is_dir():
-        _check_checkpoint_dir(path)
+        check_checkpoint_dir(path)
         return (AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32),
                 load_tokenizer(path))
     if path.suffix != ".gguf":

@@ -228,7 +228,9 @@ def load_reward(spec: str) -> Callable[..., float]:
     """The reward function named by ``"FILE.py:function"``, imported from that file.
 
     It is called as ``function(completion: str, **fields) -> float`` on every finished
-    response (``fields``: the prompt's other JSONL fields).
+    response (``fields``: the prompt's other JSONL fields). The file must be a Python file
+    (``.py``); it is executed once per process while it stays unchanged (the job's launch
+    check and its run share the import).
 
     Example:
         >>> import tempfile, os
@@ -244,17 +246,34 @@ def load_reward(spec: str) -> Callable[..., float]:
     path = Path(file)
     if not path.is_file():
         raise FileNotFoundError(f"--reward {spec}: no such file {path}; give FILE.py:function")
-    module_spec = importlib.util.spec_from_file_location(f"_ppo_reward_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:
-        raise ImportError(f"--reward {spec}: importing {path} failed: {type(err).__name__}: {err}") from err
+    if path.suffix != ".py":
+        raise ValueError(f"--reward {spec}: {path} is not a Python file (.py); write the reward as a function in a "
+                         f".py file and give FILE.py:function")
+    module = _reward_module(path, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"--reward {spec}: {path} has no function {name!r} (its functions: {found})")
+        raise ValueError(f"--reward {spec}: {path} has no function {name!r} (its functions: {found})")
     return fn
+
+
+#: The reward modules imported so far: ``(resolved path, mtime_ns, size) -> module`` (an unchanged file runs once).
+_REWARD_MODULES: dict[tuple, object] = {}
+
+
+def _reward_module(path: Path, spec: str):
+    """The module of the reward file ``path``, executed on its first use while the file is unchanged."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _REWARD_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"_ppo_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:
+            raise ImportError(f"--reward {spec}: importing {path} failed: {type(err).__name__}: {err}") from err
+        _REWARD_MODULES[key] = module
+    return _REWARD_MODULES[key]
 
 
 # --------------------------------------------------------------------------- #
@@ -266,8 +285,9 @@ def _reward_name(reward: Callable) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
 
 
-def _check_reward_signature(reward: Callable, examples: Sequence[TextExample]) -> None:
-    """Every example's fields bind to the reward's parameters (checked once, before any rollout)."""
+def check_reward_signature(reward: Callable, examples: Sequence[TextExample]) -> None:
+    """Every example's fields bind to the reward's parameters (checked once, before any rollout: by
+    :class:`TextTask`, and by the job's launch check for ``--prompts`` and ``--eval-prompts``)."""
     try:
         sig = inspect.signature(reward)
     except (TypeError, ValueError):  # a builtin without a signature: checked when called
@@ -317,7 +337,7 @@ class TextTask:
         self.eos_id = _eos_id(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(tokenizer)
-        _check_reward_signature(reward, self.examples)
+        check_reward_signature(reward, self.examples)
         rows = [torch.tensor(self._encode(ex, chat_template), dtype=torch.long) for ex in self.examples]
         self.prompt_len = max(r.numel() for r in rows)
         self.prompt_ids = torch.full((len(rows), self.prompt_len), self.pad_id, dtype=torch.long)  # [E, P]

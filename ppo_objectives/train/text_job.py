@@ -8,6 +8,7 @@ calls these; the text tasks themselves are :mod:`ppo_objectives.train.text`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import time
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ppo_objectives.train.pretrained import load_tokenizer
+from ppo_objectives.train.pretrained import CONVERTER, check_checkpoint_dir, has_tokenizer, load_tokenizer
 from ppo_objectives.train.text import (
     ARITHMETIC_TASKS,
     TextTask,
     arithmetic_examples,
+    check_reward_signature,
     evaluate,
     load_reward,
     number_reward,
@@ -39,23 +41,93 @@ SAMPLES_SHOWN = 6
 EVAL_COLUMNS = ("eval_greedy", "eval_sampled", "eval_s")
 
 
-def build_text_tasks(cfg) -> tuple[TextTask, TextTask | None]:
-    """``(training task, held-out task or None)`` of ``--task`` with the tokenizer of ``--model``."""
-    tokenizer = load_tokenizer(cfg.model)
-    if tokenizer is None:
-        raise ValueError(
-            f"--task {cfg.task} needs the tokenizer of --model {cfg.model} (tokenizer.json / tokenizer_config.json "
-            f"with a chat template), and the directory has none; export the checkpoint with its tokenizer: python -m "
-            f"ppo_objectives.pretrained --gguf SOURCE --out DIR"
-        )
+#: ``--eval-prompts none``: no held-out evaluation (as when the flag is not given).
+NO_EVAL = "none"
+
+#: The flags that name input files whose content a checkpoint records (:func:`input_sha256`).
+INPUT_FILES = ("prompts", "reward", "eval_prompts")
+
+
+def check_inputs(cfg) -> None:
+    """Refuse, before anything loads, a ``--model`` that is no checkpoint directory (missing, a file, a Hub id,
+    no ``config.json``, or no tokenizer where the run needs one) and text-task inputs the run cannot read: the
+    ``--prompts`` and ``--eval-prompts`` files, the ``--reward`` function and its parameters, a held-out prompt
+    that is also a training prompt. The launch check of ``python -m ppo_objectives.train`` calls it, so each is
+    an ``error:`` line."""
+    if not cfg.model:
+        return
+    check_checkpoint_dir(cfg.model)
+    if cfg.recipe == "toy":
+        if cfg.token_map == "tokenizer" and not has_tokenizer(cfg.model):
+            raise ValueError(f"--model {cfg.model} has no tokenizer (tokenizer.json / tokenizer_config.json), so the "
+                             f"toy task's tokens cannot be found in its vocabulary; save the tokenizer beside the "
+                             f"checkpoint, or pass --token-map identity to map task token i to model token i on "
+                             f"purpose")
+        return
+    if not has_tokenizer(cfg.model):
+        raise _no_tokenizer(cfg)
+    _text_inputs(cfg)
+
+
+def _no_tokenizer(cfg) -> ValueError:
+    return ValueError(
+        f"--task {cfg.task} needs the tokenizer of --model {cfg.model} (tokenizer.json / tokenizer_config.json "
+        f"with a chat template), and the directory has none; export the checkpoint with its tokenizer: {CONVERTER} "
+        f"(or --gguf FILE.gguf / a checkpoint directory)"
+    )
+
+
+def _text_inputs(cfg) -> tuple[list, object, list | None]:
+    """``(training examples, reward, held-out examples or None)`` of ``--task``, checked: the reward binds every
+    example's fields, and no held-out prompt is a training prompt."""
     if cfg.task == "jsonl":
-        train, reward = read_prompts_jsonl(cfg.prompts), load_reward(cfg.reward)
-        held_out = read_prompts_jsonl(cfg.eval_prompts) if cfg.eval_prompts else None
+        train, reward = _read_prompts("--prompts", cfg.prompts), load_reward(cfg.reward)
+        held_out = _read_prompts("--eval-prompts", cfg.eval_prompts) if cfg.eval_prompts not in ("", NO_EVAL) else None
     else:
         train, reward = arithmetic_examples(cfg.task, "train"), number_reward
         held_out = arithmetic_examples(cfg.task, "eval")
+    try:
+        check_reward_signature(reward, train + (held_out or []))
+    except TypeError as err:
+        raise TypeError(f"--reward {cfg.reward}: {err}") from None
     if held_out is not None:
         _check_disjoint(train, held_out)
+    return train, reward, held_out
+
+
+def _read_prompts(flag: str, path: str) -> list:
+    """:func:`read_prompts_jsonl` of ``path``, its errors prefixed with the flag that named the file."""
+    try:
+        return read_prompts_jsonl(path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{flag} {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({err.reason} at byte {err.start}); give a JSONL file, one "
+                         f"JSON object per line") from None
+    except ValueError as err:
+        raise ValueError(f"{flag} {err}") from None
+
+
+def input_sha256(cfg) -> dict[str, str]:
+    """``{flag: sha256 of the file's bytes}`` of the input files a ``--task jsonl`` run reads (:data:`INPUT_FILES`;
+    ``--reward``: its ``FILE.py``): a checkpoint records them, and ``--resume`` refuses a file whose content changed.
+    Empty for the other tasks."""
+    if cfg.task != "jsonl":
+        return {}
+    files = {flag: getattr(cfg, flag) for flag in INPUT_FILES}
+    files["reward"] = files["reward"].rsplit(":", 1)[0]  # FILE.py:function
+    return {flag: hashlib.sha256(Path(path).read_bytes()).hexdigest() for flag, path in files.items()
+            if path not in ("", NO_EVAL) and Path(path).is_file()}
+
+
+def build_text_tasks(cfg) -> tuple[TextTask, TextTask | None]:
+    """``(training task, held-out task or None)`` of ``--task`` with the tokenizer of ``--model``; ``--task jsonl``
+    without ``--eval-prompts`` (or with ``--eval-prompts none``) has no held-out task."""
+    check_checkpoint_dir(cfg.model)  # a missing --model is named as such, not as a missing tokenizer
+    tokenizer = load_tokenizer(cfg.model)
+    if tokenizer is None:
+        raise _no_tokenizer(cfg)
+    train, reward, held_out = _text_inputs(cfg)
     kw = dict(max_new_tokens=cfg.max_new_tokens)
     return (TextTask(train, reward, tokenizer, name=cfg.task, **kw),
             None if held_out is None else TextTask(held_out, reward, tokenizer, name=f"{cfg.task} held-out", **kw))
@@ -67,8 +139,9 @@ def _check_disjoint(train, held_out) -> None:
     for ex in held_out:
         if _key(ex.prompt) in seen:
             raise ValueError(
-                f"the held-out prompt at {ex.source} is also a training prompt ({seen[_key(ex.prompt)]}): the held-out "
-                f"accuracy would measure memorised prompts; remove it from one of the files"
+                f"--eval-prompts: the held-out prompt at {ex.source} is also a training prompt "
+                f"({seen[_key(ex.prompt)]}): the held-out accuracy would measure memorised prompts; remove it from "
+                f"--eval-prompts or --prompts"
             )
 
 

@@ -15,10 +15,10 @@ from ppo_objectives import train as T
     (["--fsdp"], "this process was not launched by torchrun"),
     (["--grad-checkpointing"], "--grad-checkpointing needs --model DIR"),
     (["--task", "chat-add1"], "--task chat-add1 is a text task: it needs --model DIR"),
-    (["--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
+    (["--lr", "-1"], "--lr -1.0 must be a finite number > 0"),
     (["--policy-lmbda", "0.9", "--length-alpha", "1"], "--policy-lmbda and --length-alpha both set"),
-    (["--gamma", "1.5"], "gamma=1.5 is outside [0, 1]"),
-    (["--lmbda", "-0.1"], "lmbda=-0.1 is outside [0, 1]"),
+    (["--gamma", "1.5"], "--gamma 1.5 is outside [0, 1]"),
+    (["--lmbda", "-0.1"], "--lmbda -0.1 is outside [0, 1]"),
 ])  # fmt: skip
 def test_configuration_errors_are_error_lines(cli_error, tmp_path, argv, match):
     err = cli_error([*argv, "--out", str(tmp_path)])

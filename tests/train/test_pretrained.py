@@ -374,11 +374,11 @@ def test_the_preset_job_runs_in_bfloat16_too(tmp_path):
     assert {v.dtype for v in state["reference"].values()} == {torch.bfloat16}
 
 
-def test_job_flags_are_checked_before_the_run(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="no such directory"):
-        T.main(["--model", str(tmp_path / "nowhere"), "--iterations", "1", "--out", str(tmp_path / "o"), *SHORT])
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
-        T.main(["--model", str(tmp_path), "--iterations", "1", "--out", str(tmp_path / "o"), *SHORT])
+def test_job_flags_are_checked_before_the_run(tmp_path, capsys, cli_error):
+    assert "no such directory" in cli_error(["--model", str(tmp_path / "nowhere"), "--iterations", "1", "--out",
+                                             str(tmp_path / "o"), *SHORT])
+    assert "has no config.json" in cli_error(["--model", str(tmp_path), "--iterations", "1", "--out",
+                                              str(tmp_path / "o"), *SHORT])
     with pytest.raises(ValueError, match="--grad-checkpointing needs --model DIR"):
         T.TrainConfig(grad_checkpointing=True)
     with pytest.raises(ValueError, match=r"TrainConfig dtype='float16' must be one of \('float32', 'bfloat16'\)"):

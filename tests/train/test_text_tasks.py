@@ -124,7 +124,7 @@ def test_load_reward_and_its_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"--reward .*missing\.py:exact: no such file .*missing\.py; give "
                                               r"FILE\.py:function"):
         load_reward(f"{tmp_path / 'missing.py'}:exact")
-    with pytest.raises(AttributeError, match=r"has no function 'score' \(its functions: \['exact'\]\)"):
+    with pytest.raises(ValueError, match=r"has no function 'score' \(its functions: \['exact'\]\)"):
         load_reward(f"{path}:score")
     broken = _write(tmp_path, "broken.py", "raise RuntimeError('boom')\n")
     with pytest.raises(ImportError, match="importing .*broken.py failed: RuntimeError: boom"):
