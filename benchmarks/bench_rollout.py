@@ -6,7 +6,7 @@ weights) on the same device, in the same run:
 * **collector**: ``Collector(TokenLMEnv, make_actor(model), frames_per_batch=N*M,
   reset_at_each_iter=True)`` -- one env step per token, the policy's per-row KV
   cache, partial resets of rows that emitted EOS (they start a new prompt).
-* **plain loop**: :func:`ppo_objectives.models.sample_with_kv_cache` -- one prefill,
+* **plain loop**: :func:`ppo_objectives.llm.policy.sample_with_kv_cache` -- one prefill,
   then ``M`` cached steps for all rows (finished rows keep stepping, masked).
 
 Two policies: ``random`` (a fresh model: EOS anywhere, so rows finish early and the

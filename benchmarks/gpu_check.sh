@@ -46,7 +46,7 @@ step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
 from ppo_objectives._kernels import gae; print(\"masked_gae auto backend on cuda:\", gae.select_backend(\"cuda\", \"auto\"))'"
 
 # CUDA-marked tests: the GAE kernels and every device-parametrised test on cuda, among them the hidden-state
-# log-probs in float32 / bf16 (test_logprobs_hidden.py), the HF KV cache (test_hf_cache.py) and the job on a
+# log-probs in float32 / bf16 (test_logprobs_hidden.py), the HF KV cache (test_hf.py) and the job on a
 # checkpoint in bf16 (test_device_paths.py)
 step pytest_cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests
 

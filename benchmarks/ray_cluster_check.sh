@@ -5,11 +5,11 @@
 #   3. torchrun with 2 learner ranks (DDP), each driving 1 rollout actor on the same cluster.
 # Each run checks every batch's policy version against its learner's pushes (an error otherwise) and
 # prints its summary line. On several machines: run `ray start --address HEAD:PORT` on every other
-# node, and torchrun with --nnodes / --rdzv-endpoint (README, "Rollouts on Ray, across machines").
+# node, and torchrun with --nnodes / --rdzv-endpoint (docs/distributed.md, "Across machines").
 #
 #   bash benchmarks/ray_cluster_check.sh            # about 40 s on 2 cores
 #
-# Needs `pip install 'ppo_objectives[ray]'`. The `ray stop` at the end stops every Ray process on
+# Needs `pip install -e ".[ray]"`. The `ray stop` at the end stops every Ray process on
 # this machine, including clusters this script did not start.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""Side by side with TorchRL's LLM pieces: the figures of the README's feature table.
+"""Side by side with TorchRL's LLM pieces: the figures of the comparison table in docs/comparison.md.
 
 Compares, on the same two responses (2 and 4 valid tokens, policy log-prob log 0.5, reference
 log 0.25 on every token):
@@ -9,8 +9,9 @@ log 0.25 on every token):
 2. the per-token rewards of a sequence score (1 and 3) with a k1 KL penalty beta = 0.5 from
    ``KLPenaltyTransform`` and from TorchRL's ``KLComputation`` (the reward step of ``RetrieveKL``).
 
-Both sides are computed in this run by the functions that ``tests/test_torchrl_side_by_side.py``
-tests (imported from there):
+Both sides are computed in this run: ours by the functions that ``tests/test_torchrl_side_by_side.py``
+tests (imported from there), ``GRPOLoss``'s in-loss KL here, through its private ``_kl_to_ref``
+(the test suite does not pin TorchRL's internals):
 
     python benchmarks/side_by_side_torchrl.py
 """
@@ -25,7 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_torchrl_side_by_side import K3, LENGTHS, grpo_kl, ours_kl, ours_rewards, torchrl_rewards  # noqa: E402
+from test_torchrl_side_by_side import K3, LENGTHS, _padded, ours_kl, ours_rewards, torchrl_rewards  # noqa: E402
+
+
+def grpo_kl(R: int) -> float:
+    """TorchRL's ``GRPOLoss`` in-loss KL (``kl_to_ref_coeff = 1``) of the responses padded to ``R``."""
+    from torchrl.objectives.llm import GRPOLoss
+
+    td = _padded(R)
+    loss = GRPOLoss(None, kl_to_ref_coeff=1.0)
+    td.set("_cur_log_prob", td["lp_in"])
+    weighted, _ = loss._kl_to_ref(td, ref_log_prob=td["ref_log_prob"], mask=td["mask"])
+    return float(weighted)
 
 
 def main() -> None:

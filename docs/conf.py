@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 project = "ppo_objectives"
 author = "ppo_objectives contributors"
 copyright = "ppo_objectives contributors"  # noqa: A001 (Sphinx's name)
-release = version = "0.1.0"
+release = version = "0.2.0"
 
 extensions = [
     "sphinx.ext.autodoc",

@@ -68,37 +68,4 @@ __all__ = [
     "value_checks",
 ]
 
-__version__ = "0.1.0"
-
-#: Names this face exported before it held only the objectives and the functional core, and their homes:
-#: they still work from here, with a DeprecationWarning that names the home.
-MOVED = {
-    "CausalLMCritic": "ppo_objectives.llm",
-    "CausalLMTokenLogProbs": "ppo_objectives.llm",
-    "DigitTask": "ppo_objectives.train.digit",
-    "HFCausalLMAdapter": "ppo_objectives.llm",
-    "LLMToTokenBatch": "ppo_objectives.llm",
-    "NextTokenLogits": "ppo_objectives.llm",
-    "TinyCausalLM": "ppo_objectives.llm",
-    "TinyLMConfig": "ppo_objectives.llm",
-    "ToLLMBatch": "ppo_objectives.llm",
-    "TokenLMEnv": "ppo_objectives.llm",
-    "bootstrap_from_next_turn": "ppo_objectives.llm",
-    "frozen_reference": "ppo_objectives.llm",
-    "make_actor": "ppo_objectives.llm",
-    "make_actor_critic": "ppo_objectives.llm",
-    "sample_with_kv_cache": "ppo_objectives.llm",
-    "trajectories_to_llm_batch": "ppo_objectives.llm",
-    "warm_start": "ppo_objectives.train.digit",
-}
-
-
-def __getattr__(name: str):
-    if name not in MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(f"ppo_objectives.{name} moved: use from {MOVED[name]} import {name}", DeprecationWarning,
-                  stacklevel=2)
-    return getattr(importlib.import_module(MOVED[name]), name)
+__version__ = "0.2.0"

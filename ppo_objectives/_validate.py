@@ -12,10 +12,8 @@ each other. Every error names the argument, what was expected and the fix.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import warnings
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -253,33 +251,6 @@ def check_clip_epsilon(clip_epsilon: object) -> tuple[float, float]:
     return eps, eps
 
 
-def renamed_arguments(**renames: str) -> Callable:
-    """Keep keyword arguments that were renamed working, with a ``DeprecationWarning`` naming the new one.
-
-    ``@renamed_arguments(old="new")`` maps ``fn(old=x)`` to ``fn(new=x)``; giving both is a ``TypeError``.
-    The wrapped function's signature (``inspect.signature``) is the new one.
-    """
-
-    def wrap(fn: Callable) -> Callable:
-        owner = fn.__qualname__.replace(".__init__", "")
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            for old in renames.keys() & kwargs.keys():
-                new = renames[old]
-                if new in kwargs:
-                    raise TypeError(f"{owner}() got {old}= and {new}=; {old} is the earlier name of {new}: give {new}")
-                warnings.warn(f"{owner}({old}=...) is deprecated: the argument is now {new}=", DeprecationWarning,
-                              stacklevel=2)
-                kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        call.renamed_arguments = dict(renames)
-        return call
-
-    return wrap
-
-
 def check_int(name: str, x: object, *, low: int = 1, high: int | None = None, where: str = "", what: str = "") -> int:
     """``x`` if it is an ``int`` (bools refused) in ``[low, high]``, else a ``ValueError``.
 
@@ -297,3 +268,27 @@ def is_real(x: object, *, low: float = -math.inf, strict: bool = False) -> bool:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         return False
     return x > low if strict else x >= low
+
+
+def check_token_ids(token_ids: object, model_vocab_size: int, who: str) -> Tensor:
+    """``token_ids`` as int64 if it maps task tokens to distinct model tokens: a non-empty 1-D integer
+    tensor ``[V_task]`` with every id in ``[0, model_vocab_size)``, else a ``ValueError`` naming ``who``."""
+    token_ids = check_tensor("token_ids", token_ids)
+    if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+        raise ValueError(
+            f"{who}: token_ids must be a non-empty 1-D integer tensor [V_task] (the model id of each task token), "
+            f"got shape {tuple(token_ids.shape)} and dtype {token_ids.dtype}"
+        )
+    lo, hi = int(token_ids.min()), int(token_ids.max())
+    if lo < 0 or hi >= model_vocab_size:
+        raise ValueError(
+            f"{who}: token_ids holds model id {lo if lo < 0 else hi}, outside the model's vocabulary [0, "
+            f"{model_vocab_size}): the tokenizer does not match the checkpoint's embedding; save the tokenizer "
+            f"the model was built for"
+        )
+    if token_ids.unique().numel() != token_ids.numel():
+        raise ValueError(
+            f"{who}: token_ids {token_ids.tolist()} maps two task tokens to one model token: the policy could not "
+            f"tell them apart; every task token needs its own model token"
+        )
+    return token_ids.long()

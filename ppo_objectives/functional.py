@@ -726,7 +726,6 @@ def _gae_finish(adv_raw, v, m, average_gae, shape, out_dtype, process_group=None
     return adv.reshape(shape).to(out_dtype), returns.reshape(shape).to(out_dtype)
 
 
-@_validate.renamed_arguments(lam="lmbda", normalize="average_gae")
 def masked_gae_reference(
     token_rewards: Tensor,
     values: Tensor,
@@ -798,7 +797,6 @@ def _gae_loop(r: Tensor, v: Tensor, m: Tensor, gamma, lmbda, boot: Tensor | None
     return adv
 
 
-@_validate.renamed_arguments(lam="lmbda", normalize="average_gae")
 def masked_gae(
     token_rewards: Tensor,
     values: Tensor,
@@ -924,7 +922,6 @@ def masked_gae(
 # --------------------------------------------------------------------------- #
 
 
-@_validate.renamed_arguments(mode="aggregation")
 def loss_normalizer(mask: Tensor, aggregation: str = "token-mean", *, process_group=None) -> Tensor:
     """The denominator :func:`aggregate_loss` divides by, optionally global across ranks.
 
@@ -971,7 +968,6 @@ def loss_normalizer(mask: Tensor, aggregation: str = "token-mean", *, process_gr
 
 
 
-@_validate.renamed_arguments(mode="aggregation")
 def aggregate_loss(
     per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", *, normalizer: Tensor | float | None = None
 ) -> Tensor:
@@ -1041,7 +1037,6 @@ def aggregate_loss(
 # --------------------------------------------------------------------------- #
 
 
-@_validate.renamed_arguments(new_logps="log_prob", old_logps="sample_log_prob", loss_agg_mode="aggregation")
 def ppo_policy_loss(
     log_prob: Tensor,
     sample_log_prob: Tensor,
@@ -1146,7 +1141,6 @@ def ppo_policy_loss(
     )
 
 
-@_validate.renamed_arguments(new_logps="log_prob", old_logps="sample_log_prob")
 def approx_kl(log_prob: Tensor, sample_log_prob: Tensor, mask: Tensor) -> Tensor:
     """MiniMind's early-stop signal: masked mean of ``0.5 * (new - old)^2`` (the k2 estimator).
 
@@ -1175,7 +1169,6 @@ ROLLOUT_REJECTION_MODES = ("token-mis", "seq-mis", "icepop", "geo-mask")
 _TWO_SIDED = ("icepop", "geo-mask")  # the lower bound defaults to 1 / threshold_high
 
 
-@_validate.renamed_arguments(old_logps="sample_log_prob", rollout_logps="rollout_log_prob")
 def rollout_correction_weights(
     sample_log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -1323,7 +1316,6 @@ def _rollout_stats(w: Tensor, m: Tensor, clipped: Tensor, rejected: Tensor) -> d
 # --------------------------------------------------------------------------- #
 
 
-@_validate.renamed_arguments(logps="log_prob", ref_logps="ref_log_prob", old_logps="sample_log_prob")
 def kl_estimate(
     log_prob: Tensor,
     ref_log_prob: Tensor,
@@ -1393,9 +1385,6 @@ def kl_estimate(
 
 
 
-@_validate.renamed_arguments(
-    policy_logps="log_prob", ref_logps="ref_log_prob", old_logps="sample_log_prob", loss_agg_mode="aggregation"
-)
 def reference_kl_penalty(
     log_prob: Tensor,
     ref_log_prob: Tensor,
@@ -1465,7 +1454,6 @@ def last_valid_index(mask: Tensor) -> Tensor:
     return K.last_valid(m)
 
 
-@_validate.renamed_arguments(logps="log_prob", ref_logps="ref_log_prob")
 def masked_kl_estimate(
     log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, estimator: str = "k1", *, clamp: float | None = None
 ) -> Tensor:
@@ -1501,7 +1489,6 @@ def _checked_masked_kl(log_prob: Tensor, ref_log_prob: Tensor, m: Tensor, estima
 
 
 
-@_validate.renamed_arguments(logps="sample_log_prob", ref_logps="ref_log_prob", kl_coeff="kl_reward_coeff")
 def kl_penalized_rewards(
     rewards: Tensor,
     sample_log_prob: Tensor,
@@ -1608,7 +1595,6 @@ def adaptive_kl_coeff(
 # --------------------------------------------------------------------------- #
 
 
-@_validate.renamed_arguments(cliprange_value="clip_value", loss_agg_mode="aggregation")
 def clipped_value_loss(
     values: Tensor,
     old_values: Tensor,

@@ -48,7 +48,6 @@ MINIMIND_PPO_DEFAULTS: dict[str, Any] = {
     "entropy_coeff": 0.0,  # no entropy bonus
     "aggregation": "token-mean",  # masked mean over all valid tokens of the minibatch
     "normalize_advantage": False,  # whitened once per rollout, in GAE (average_gae=True)
-    "early_stop_kl": 0.25,  # --early_stop_kl: stop the PPO epochs when kl_approx exceeds it
     "gamma": 1.0,  # --gamma
     "lmbda": 0.95,  # --lam
 }
@@ -172,7 +171,8 @@ class TokenPPOLoss(LossModule):
     * detached diagnostics, every one masked to the valid tokens: ``clip_fraction``,
       ``clip_fraction_low``, ``clip_fraction_high`` (ratio outside the clip range),
       ``kl_approx`` (mean of ``0.5 (log_prob - sample_log_prob)^2``, MiniMind's early-stop
-      signal, see ``early_stop_kl``), ``kl_approx_token_max`` (its largest per-token value),
+      signal: the training loop compares it with ``--early-stop-kl``; the loss itself never
+      stops), ``kl_approx_token_max`` (its largest per-token value),
       ``mean_ratio``, ``max_ratio``, ``ESS`` (normalised
       effective sample size of the ratios, in (0, 1]), ``kl_ref`` (the aggregated
       reference KL, when ``ref_log_prob`` is given), ``entropy`` (when the actor writes
@@ -207,8 +207,6 @@ class TokenPPOLoss(LossModule):
             ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"token-sum"`` or
             ``"token-sum-norm"`` (see :func:`~ppo_objectives.functional.aggregate_loss`).
         normalize_advantage: whiten the advantages over the valid tokens of each call.
-        early_stop_kl: threshold on ``kl_approx`` for stopping the PPO epochs (read by the
-            training loop; the loss itself never stops). ``None`` by default.
         rollout_correction: correct for rollouts sampled by another engine or a stale
             policy: ``"token-tis"``, ``"token-mis"``, ``"seq-tis"``, ``"seq-mis"``,
             ``"icepop"`` or ``"geo-mask"`` (the ``mode`` of
@@ -323,7 +321,6 @@ class TokenPPOLoss(LossModule):
     target_actor_network_params: TensorDictParams
     target_critic_network_params: TensorDictParams
 
-    @_validate.renamed_arguments(kl_coeff="kl_to_ref_coeff", loss_agg_mode="aggregation")
     def __init__(
         self,
         actor_network: TensorDictModule,
@@ -341,7 +338,6 @@ class TokenPPOLoss(LossModule):
         entropy_bonus: bool | None = None,
         aggregation: str = "token-mean",
         normalize_advantage: bool = False,
-        early_stop_kl: float | None = None,
         rollout_correction: str | None = None,
         rollout_threshold_high: float = 2.0,
         rollout_threshold_low: float | None = None,
@@ -371,7 +367,6 @@ class TokenPPOLoss(LossModule):
         self.kl_importance_weighted = bool(kl_importance_weighted)
         self.aggregation = aggregation
         self.normalize_advantage = bool(normalize_advantage)
-        self.early_stop_kl = early_stop_kl
         self.entropy_bonus = (entropy_coeff != 0) if entropy_bonus is None else bool(entropy_bonus)
         self._has_critic = critic_network is not None and critic_coeff != 0
         self._requires_ref = kl_to_ref_coeff != 0
@@ -380,7 +375,6 @@ class TokenPPOLoss(LossModule):
     # ------------------------------------------------------------------ presets
 
     @classmethod
-    @_validate.renamed_arguments(kl_coeff="kl_to_ref_coeff", loss_agg_mode="aggregation")
     def minimind(
         cls, actor_network: TensorDictModule, critic_network: TensorDictModule, **overrides: Any
     ) -> TokenPPOLoss:
@@ -389,9 +383,10 @@ class TokenPPOLoss(LossModule):
         clip 0.2 (``--clip_epsilon``), value-loss weight 0.5 (``--vf_coef``), k3 reference
         KL weight 0.02 in the loss (``--kl_coef``), value clip 0.2 (``--cliprange_value``),
         no entropy bonus, token-mean aggregation, advantages whitened once in GAE with
-        ``gamma=1.0, lmbda=0.95`` (``--gamma``, ``--lam``: MiniMind's flags), and ``early_stop_kl=0.25``
-        (``--early_stop_kl``; the training loop stops the PPO epochs when ``kl_approx``
-        exceeds it). Keyword ``overrides`` replace any of these.
+        ``gamma=1.0, lmbda=0.95`` (``--gamma``, ``--lam``: MiniMind's flags). Keyword ``overrides``
+        replace any of these. MiniMind's early stop (``--early_stop_kl 0.25``: end the PPO epochs
+        once ``kl_approx`` exceeds it) belongs to the training loop, not the loss: see the
+        training job's ``--early-stop-kl``.
 
         Example:
             >>> import torch
@@ -401,8 +396,8 @@ class TokenPPOLoss(LossModule):
             >>> loss = TokenPPOLoss.minimind(actor, critic)
             >>> float(loss.clip_epsilon_low), float(loss.critic_coeff), float(loss.kl_to_ref_coeff), float(loss.clip_value)
             (0.20000000298023224, 0.5, 0.019999999552965164, 0.20000000298023224)
-            >>> loss.kl_estimator, loss.early_stop_kl
-            ('k3', 0.25)
+            >>> loss.kl_estimator
+            'k3'
             >>> gae = loss.value_estimator
             >>> float(gae.gamma), float(gae.lmbda), gae.average_gae
             (1.0, 0.95, True)
@@ -529,7 +524,7 @@ class TokenPPOLoss(LossModule):
         norm = norm if process_group is None else K.normalizer(batch.mask, self.aggregation, process_group)
         out = self._policy_terms(batch, log_prob, entropy, norm, process_group)
         if self._has_critic:
-            _critic_terms(self, td, batch, out, norm)
+            self._critic_terms(td, batch, out, norm)
         return out
 
     def _read_batch(self, td: TensorDictBase) -> _Batch:
@@ -588,17 +583,17 @@ class TokenPPOLoss(LossModule):
         the arithmetic is the functional core's, unchecked). Rejected tokens leave the policy term only."""
         eps_low, eps_high = _validate.check_clip_epsilon((self.clip_epsilon_low, self.clip_epsilon_high))
         advantage = K.whiten(b.advantage, b.mask) if self.normalize_advantage else b.advantage
-        weights, rollout_stats = _rollout_weights(self, b)
+        weights, rollout_stats = self._rollout_weights(b)
         loss_objective, stats = L.policy_loss(
             log_prob, b.sample_log_prob, advantage, b.mask, eps_low, eps_high, dual_clip=self.dual_clip,
-            aggregation=self.aggregation, norm=_policy_normalizer(self, b.mask, weights, norm, process_group),
+            aggregation=self.aggregation, norm=self._policy_normalizer(b.mask, weights, norm, process_group),
             weights=weights, stats=True,
         )  # fmt: skip
         out = TensorDict({"loss_objective": loss_objective, **rollout_stats})
         zero = loss_objective.new_zeros(())
         out.set("loss_kl_ref", zero)
         if b.ref_log_prob is not None:
-            kl_ref = _reference_kl(self, b, log_prob, norm)
+            kl_ref = self._reference_kl(b, log_prob, norm)
             out.set("loss_kl_ref", self.kl_to_ref_coeff * kl_ref)
             out.set("kl_ref", kl_ref.detach())
         out.set("loss_entropy", zero)
@@ -611,25 +606,47 @@ class TokenPPOLoss(LossModule):
             out.set("dual_clip_fraction", stats["dual_clip_fraction"])
         return out
 
+    def _critic_terms(self, td: TensorDictBase, b: _Batch, out: TensorDict, norm) -> None:
+        """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
+        k = self.tensor_keys
+        values = TD.require(self._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
+                            what="the critic's values", fix="the critic network did not write its [B, R] values",
+                            collector_fix=False)  # fmt: skip
+        values = _validate.check_float("state_value", TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref))
+        _validate.check_same_device(state_value=values, mask=b.mask)
+        if self.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
+            loss_critic = L.value_loss(values, values.detach(), b.returns, b.mask, 1.0, aggregation=self.aggregation,
+                                       norm=norm)  # fmt: skip
+        else:
+            c = _validate.check_positive("clip_value", self.clip_value)
+            loss_critic, vstats = L.value_loss(values, b.old_values, b.returns, b.mask, c, aggregation=self.aggregation,
+                                               norm=norm, stats=True)  # fmt: skip
+            out.set("value_clip_fraction", vstats["value_clip_fraction"])
+        out.set("loss_critic", self.critic_coeff * loss_critic)
+        out.set("explained_variance", K.explained_variance(values.detach(), b.returns, b.mask))
 
-def _critic_terms(loss: TokenPPOLoss, td: TensorDictBase, b: _Batch, out: TensorDict, norm) -> None:
-    """``loss_critic``, ``value_clip_fraction`` and ``explained_variance``, written into ``out``."""
-    k = loss.tensor_keys
-    values = TD.require(loss._run("critic_network", td, k.value), k.value, module="TokenPPOLoss",
-                        what="the critic's values", fix="the critic network did not write its [B, R] values",
-                        collector_fix=False)  # fmt: skip
-    values = _validate.check_float("state_value", TD.time_last(values, f"critic output {k.value!r}", b.shape, b.ref))
-    _validate.check_same_device(state_value=values, mask=b.mask)
-    if loss.clip_value is None:  # no clipping: with V_old = V both branches are (V - G)^2
-        loss_critic = L.value_loss(values, values.detach(), b.returns, b.mask, 1.0, aggregation=loss.aggregation,
-                                   norm=norm)  # fmt: skip
-    else:
-        c = _validate.check_positive("clip_value", loss.clip_value)
-        loss_critic, vstats = L.value_loss(values, b.old_values, b.returns, b.mask, c, aggregation=loss.aggregation,
-                                           norm=norm, stats=True)  # fmt: skip
-        out.set("value_clip_fraction", vstats["value_clip_fraction"])
-    out.set("loss_critic", loss.critic_coeff * loss_critic)
-    out.set("explained_variance", K.explained_variance(values.detach(), b.returns, b.mask))
+    def _policy_normalizer(self, m: Tensor, weights: Tensor | None, norm, process_group):
+        """The policy term's denominator: the other terms' ``norm``, except under a rejecting rollout correction,
+        where it counts the kept tokens only (this batch's, or every rank's with a ``process_group``)."""
+        if weights is None or self.rollout_correction not in F.ROLLOUT_REJECTION_MODES:
+            return norm
+        return None if process_group is None else K.normalizer(L.kept_mask(m, weights), self.aggregation, process_group)
+
+    def _reference_kl(self, b: _Batch, log_prob: Tensor, norm) -> Tensor:
+        """The aggregated in-loss KL to the reference (importance weighted with ``kl_importance_weighted``)."""
+        old = b.sample_log_prob if self.kl_importance_weighted else None
+        lp, ref, old = L.masked_log_probs(b.mask, log_prob, b.ref_log_prob, old)  # checked as log-probs in forward
+        return L.reference_kl(lp, ref, b.mask, estimator=self.kl_estimator, clamp=self.kl_clamp, sample_log_prob=old,
+                              aggregation=self.aggregation, norm=norm)
+
+    def _rollout_weights(self, b: _Batch) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """The rollout-correction weights of a batch and their ``rollout_*`` diagnostics (``None, {}`` when off)."""
+        if self.rollout_correction is None:
+            return None, {}
+        weights, stats = F.rollout_correction_weights(
+            b.sample_log_prob, b.rollout_log_prob, b.mask, self.rollout_correction, return_stats=True, **self.rollout_thresholds
+        )
+        return weights, {f"rollout_{name}": stat for name, stat in stats.items()}
 
 
 _REF_FIX = (
@@ -655,22 +672,6 @@ def _check_denominators(loss: TokenPPOLoss, normalizer, process_group) -> None:
             f"leaves the policy term's denominator, which a fixed normalizer= cannot know; pass "
             f"process_group=pg (or None for this batch alone) instead of normalizer="
         )
-
-
-def _policy_normalizer(loss: TokenPPOLoss, m: Tensor, weights: Tensor | None, norm, process_group):
-    """The policy term's denominator: the other terms' ``norm``, except under a rejecting rollout correction,
-    where it counts the kept tokens only (this batch's, or every rank's with a ``process_group``)."""
-    if weights is None or loss.rollout_correction not in F.ROLLOUT_REJECTION_MODES:
-        return norm
-    return None if process_group is None else K.normalizer(L.kept_mask(m, weights), loss.aggregation, process_group)
-
-
-def _reference_kl(loss: TokenPPOLoss, b: _Batch, log_prob: Tensor, norm) -> Tensor:
-    """The aggregated in-loss KL to the reference (importance weighted with ``kl_importance_weighted``)."""
-    old = b.sample_log_prob if loss.kl_importance_weighted else None
-    lp, ref, old = L.masked_log_probs(b.mask, log_prob, b.ref_log_prob, old)  # checked as log-probs in forward
-    return L.reference_kl(lp, ref, b.mask, estimator=loss.kl_estimator, clamp=loss.kl_clamp, sample_log_prob=old,
-                          aggregation=loss.aggregation, norm=norm)
 
 
 def _check_overrides(overrides: dict) -> None:
@@ -720,16 +721,6 @@ def _set_rollout_correction(loss: TokenPPOLoss, mode: str | None, high: float, l
         F.rollout_correction_weights(empty, empty, empty.bool(), mode, threshold_high=high, threshold_low=low)
     loss.rollout_correction = mode
     loss.rollout_thresholds = {} if mode is None else {"threshold_high": high, "threshold_low": low}
-
-
-def _rollout_weights(loss: TokenPPOLoss, b: _Batch) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The rollout-correction weights of a batch and their ``rollout_*`` diagnostics (``None, {}`` when off)."""
-    if loss.rollout_correction is None:
-        return None, {}
-    weights, stats = F.rollout_correction_weights(
-        b.sample_log_prob, b.rollout_log_prob, b.mask, loss.rollout_correction, return_stats=True, **loss.rollout_thresholds
-    )
-    return weights, {f"rollout_{name}": stat for name, stat in stats.items()}
 
 
 def _attach_networks(loss: TokenPPOLoss, actor_network, critic_network, functional: bool) -> None:

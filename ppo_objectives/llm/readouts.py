@@ -1,6 +1,7 @@
 """PPO read-outs on a causal LM: per-token log-probs (actor) and per-token values (critic).
 
-One read-out family for both batch layouts of :mod:`ppo_objectives.llm.layouts`:
+The read-outs of the response layout of :mod:`ppo_objectives.llm.layouts`, and the read-out
+helpers that :mod:`ppo_objectives.llm.chat` shares for the full-sequence layout:
 
 - **log-probs**: :func:`read_log_probs` turns logits into the log-probs (and
   entropies) of the tokens at given positions, always through
@@ -14,24 +15,23 @@ One read-out family for both batch layouts of :mod:`ppo_objectives.llm.layouts`:
 - **values**: :func:`read_values` turns hidden states into values with a
   scalar head built by :func:`value_head`, the one value-head construction.
 
-The modules differ only in which positions they read and how they reach the
-model:
+The modules read the response slice of a ``[B, P + R]`` forward of our LM interface
+(``TinyCausalLM``, ``HFCausalLMAdapter``: ``LMOutput``):
 
 ==================================== ================================= =========================================
 module                               positions                         model
 ==================================== ================================= =========================================
 :class:`ResponseLogProbs`            response slice ``[P - 1, T - 1)`` our LM interface (``TinyCausalLM``,
 :class:`ResponseValues`              -> ``[B, R]``                     ``HFCausalLMAdapter``): ``LMOutput``
-:class:`CausalLMTokenLogProbs`       the full sequence, 0 where        a Hugging Face module, through
-:class:`CausalLMCritic`              ``mask`` is False -> ``[B, T]``   :func:`ppo_objectives.llm.hf.hf_forward`
 ==================================== ================================= =========================================
 
-:func:`make_actor_critic` wraps the first pair (plus the env policy of
+:func:`make_actor_critic` wraps them (plus the env policy of
 :func:`ppo_objectives.llm.policy.make_actor`) for the response layout; it is what
-``ppo_objectives/train/`` runs. The second pair reads the full-sequence
-layout of TorchRL's LLM stack (also importable from
-:mod:`ppo_objectives.llm`). :func:`frozen_reference` is the job's
-reference policy: a frozen copy of the actor's LM read out like the actor.
+``ppo_objectives/train/`` runs. :func:`frozen_reference` is the job's
+reference policy: a frozen copy of the actor's LM read out like the actor. The
+read-outs of the full-sequence layout of TorchRL's LLM stack
+(``CausalLMTokenLogProbs``, ``CausalLMCritic``) use the same helpers and are in
+:mod:`ppo_objectives.llm.chat`.
 
 **Sampling temperature.** Every log-prob read-out takes ``temperature=T``
 (default 1.0) and scores ``log_softmax(logits / T)``, the distribution a policy
@@ -52,14 +52,11 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModule, TensorDictModuleBase
-from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
 from ppo_objectives import _validate
 from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden, value_checks
-from ppo_objectives.llm.hf import hf_decoder, hf_forward
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.policy import check_temperature, make_actor
 
@@ -67,8 +64,6 @@ __all__ = [
     "FROM_HIDDEN_MIN_VOCAB",
     "VALUE_HEAD_INITS",
     "ActorCritic",
-    "CausalLMCritic",
-    "CausalLMTokenLogProbs",
     "ResponseLogProbs",
     "ResponseValues",
     "SharedForward",
@@ -99,7 +94,7 @@ def value_head(hidden_size: int, *, init: str = "zeros") -> nn.Linear:
       random value noise enters the first policy update. The trunk gets no value
       gradient until the head has moved away from 0 (one optimizer step).
     - ``init="normal"`` (``w ~ Normal(0, std = 1 / sqrt(H + 1))``, ``c = 0``;
-      :class:`CausalLMCritic`): a fan-in scaled head (``H`` inputs plus the
+      :class:`~ppo_objectives.llm.chat.CausalLMCritic`): a fan-in scaled head (``H`` inputs plus the
       bias), so values start at the scale of the hidden states (order one after
       the LM's final norm) and the trunk gets a value gradient from the first step.
 
@@ -253,12 +248,13 @@ def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
         params = method()
     else:
         head = getattr(model, "lm_head", None)
-        plain = type(head) is nn.Linear and not _has_forward_hooks(head)
+        plain = type(head) is nn.Linear and not has_forward_hooks(head)
         params = (head.weight, head.bias) if plain else None
     return None if params is None or _is_sharded(params[0]) else params
 
 
-def _has_forward_hooks(module: nn.Module) -> bool:
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward (pre-)hooks, which may change what it computes."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -270,7 +266,8 @@ def _is_sharded(weight: Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
-def _check_from_hidden(from_hidden: object, who: str) -> None:
+def check_from_hidden(from_hidden: object, who: str) -> None:
+    """A ``ValueError`` naming ``who`` unless ``from_hidden`` is ``True``, ``False`` or ``"auto"``."""
     if not any(from_hidden is c or (isinstance(from_hidden, str) and from_hidden == c) for c in _FROM_HIDDEN_CHOICES):
         raise ValueError(
             f"{who}: from_hidden={from_hidden!r} must be True (score hidden states through the exposed LM head), "
@@ -278,7 +275,7 @@ def _check_from_hidden(from_hidden: object, who: str) -> None:
         )
 
 
-def _use_hidden(from_hidden: bool | str, head: tuple | None, who: str, fix: str) -> bool:
+def use_hidden(from_hidden: bool | str, head: tuple | None, who: str, fix: str) -> bool:
     """Whether the read-out scores hidden states: ``from_hidden`` against the head found (or not)."""
     if from_hidden is True and head is None:
         raise ValueError(
@@ -366,7 +363,7 @@ class ResponseLogProbs(nn.Module):
     ):
         super().__init__()
         _validate.check_int("prompt_len", prompt_len, low=1, what=" (the prompt width P)")
-        _check_from_hidden(from_hidden, "ResponseLogProbs")
+        check_from_hidden(from_hidden, "ResponseLogProbs")
         self.temperature = check_temperature(temperature, "ResponseLogProbs: ")
         self.model = model
         self.prompt_len = prompt_len
@@ -374,7 +371,7 @@ class ResponseLogProbs(nn.Module):
         self.entropy_grad = entropy_grad
         fix = "define model.lm_head_parameters() -> (weight, bias), or use from_hidden=False (the logits path)"
         #: Whether this read-out scores hidden states (True) or the model's logits (False).
-        self.from_hidden = _use_hidden(from_hidden, lm_head_parameters(model), "ResponseLogProbs", fix)
+        self.from_hidden = use_hidden(from_hidden, lm_head_parameters(model), "ResponseLogProbs", fix)
         self._required = from_hidden is True
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
@@ -525,7 +522,7 @@ def make_actor_critic(
     on this default. For a critic whose trunk learns from the first step, replace
     the head before building the optimizer, e.g.
     ``ac.critic_head.weight.data.copy_(value_head(H, init="normal").weight)``
-    (the head :class:`CausalLMCritic` uses).
+    (the head :class:`~ppo_objectives.llm.chat.CausalLMCritic` uses).
 
     Example:
         >>> ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=10, block_size=8), prompt_len=3)
@@ -604,268 +601,3 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: to
         ResponseLogProbs(ref, prompt_len, return_entropy=False, temperature=temperature),
         ["input_ids", "attention_mask"], ["log_prob"],
     )
-
-
-# --------------------------------------------------------------------------- #
-# Full-sequence layout [B, T]: every token of a row, 0 off the mask
-# --------------------------------------------------------------------------- #
-
-
-def _check_row_inputs(tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None, who: str):
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
-        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
-        raise ValueError(
-            f"{who}: tokens must be a [B, T] tensor of token ids, got {shape}; convert TorchRL turn batches "
-            f"with LLMToTokenBatch first"
-        )
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise TypeError(f"{who}: tokens must hold integer token ids, got dtype {tokens.dtype}")
-    _validate.check_same_device(tokens=tokens, attention_mask=attention_mask, mask=mask)
-    if attention_mask is not None:
-        attention_mask = _validate.check_mask(attention_mask, tokens.shape, "tokens")
-    if mask is not None:
-        mask = _validate.check_mask(mask, tokens.shape, "tokens")
-    return attention_mask, mask
-
-
-def _zero_off_mask(mask: Tensor | None, *xs: Tensor) -> tuple[Tensor, ...]:
-    if mask is None:
-        return xs
-    return tuple(torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in xs)
-
-
-class CausalLMCritic(TensorDictModuleBase):
-    """A value head on a causal LM: one forward pass scores every token of every row.
-
-    ``state_value[b, t] = w . h[b, t - 1] + c`` is the value of the prefix
-    ``tokens[b, :t]`` — the state in which token ``t`` was chosen — where ``h``
-    are the LM's last hidden states (the decoder only; the LM head is not run)
-    and ``(w, c)`` a linear head (:func:`value_head` with ``init="normal"``).
-    ``("next", "state_value")[b, t] = w . h[b, t] + c``
-    is the value after token ``t`` (equal to ``state_value[b, t + 1]``); on the
-    last token of a dialog cut by the batch boundary it is the bootstrap value
-    :class:`~ppo_objectives.value.gae.MaskedGAE` reads. Both are exactly 0 where
-    ``mask`` is False (holes and padding) and have the TorchRL layout ``[B, T, 1]``.
-
-    This is the token-level critic of RLHF-PPO (Ouyang et al. 2022; Ziegler et
-    al. 2019): a copy of the policy LM with a scalar head instead of the LM head.
-
-    Args:
-        model: a Hugging Face causal LM (``AutoModelForCausalLM.from_config(...)``,
-            or a copy of the policy's model) or its decoder; any module called
-            as ``model(input_ids=..., attention_mask=...)`` returning
-            ``.last_hidden_state`` of size ``hidden_size``. Its decoder is found by
-            :func:`~ppo_objectives.llm.hf.hf_decoder` and called through
-            :func:`~ppo_objectives.llm.hf.hf_forward`, as in ``HFCausalLMAdapter``.
-
-    Keyword Args:
-        hidden_size: defaults to ``model.config.hidden_size``.
-        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
-        out_key, next_out_key: outputs; ``next_out_key=None`` skips it.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> class Embed(torch.nn.Module):                 # stands in for a causal LM's decoder
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.emb = torch.nn.Embedding(10, 4)
-        ...     def forward(self, input_ids, attention_mask=None):
-        ...         return type("Out", (), {"last_hidden_state": self.emb(input_ids)})()
-        >>> critic = CausalLMCritic(Embed(), hidden_size=4)
-        >>> td = TensorDict(
-        ...     {"tokens": torch.tensor([[1, 2, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]]).bool(),
-        ...      "mask": torch.tensor([[False, True, True, False]])},
-        ...     batch_size=[1, 4],
-        ... )
-        >>> critic(td)["state_value"].shape
-        torch.Size([1, 4, 1])
-        >>> (td["state_value"].squeeze(-1) != 0).tolist()     # exactly 0 off the mask
-        [[False, True, True, False]]
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        hidden_size: int | None = None,
-        tokens_key: NestedKey = "tokens",
-        attention_mask_key: NestedKey | None = "attention_mask",
-        mask_key: NestedKey = "mask",
-        out_key: NestedKey = "state_value",
-        next_out_key: NestedKey | None = ("next", "state_value"),
-    ):
-        super().__init__()
-        if hidden_size is None:
-            config = getattr(model, "config", None)
-            hidden_size = getattr(config, "hidden_size", None)
-            if hidden_size is None:
-                raise ValueError(
-                    f"CausalLMCritic: cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
-                )
-        self.backbone = hf_decoder(model)
-        self.head = value_head(int(hidden_size), init="normal")
-        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
-        self.out_key, self.next_out_key = out_key, next_out_key
-        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
-        self.out_keys = [k for k in (out_key, next_out_key) if k is not None]
-
-    def values(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
-        """``(state_value, next_state_value)``, both ``[B, T]``, from ``[B, T]`` inputs."""
-        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMCritic")
-        h = hf_forward(self.backbone, tokens, attention_mask, output="last_hidden_state")  # [B, T, H]
-        after = read_values(self.head, h)  # [B, T]: value after token t
-        before = torch.cat([after.new_zeros(after.shape[0], 1), after[:, :-1]], dim=1)  # value before token t
-        before, after = _zero_off_mask(mask, before, after)
-        return before, after
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
-        before, after = self.values(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
-        tensordict.set(self.out_key, before.unsqueeze(-1))
-        if self.next_out_key is not None:
-            tensordict.set(self.next_out_key, after.unsqueeze(-1))
-        return tensordict
-
-
-class CausalLMTokenLogProbs(TensorDictModuleBase):
-    """Per-token log-probs (and entropies) of every row under a causal LM, in one forward pass.
-
-    ``log_prob[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]]`` for ``t >= 1``
-    (the alignment of ``sample_log_prob`` in
-    :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch`), in float32 without a full
-    ``[B, T, V]`` float32 log-softmax. Exactly 0 where ``mask`` is False.
-    ``entropy[b, t]`` is the entropy of the same distribution.
-
-    Two paths, the same numbers (up to float rounding):
-
-    - **logits** (``from_hidden=False``): the model's own forward (hooks and
-      model-specific logit processing apply) and :func:`read_log_probs`.
-    - **hidden states** (``from_hidden=True``): the decoder only
-      (:func:`~ppo_objectives.llm.hf.hf_decoder` through
-      :func:`~ppo_objectives.llm.hf.hf_forward`, ``last_hidden_state``), then the head
-      ``model.get_output_embeddings()`` folded into
-      :func:`~ppo_objectives.functional.response_log_probs_from_hidden`: the
-      ``[B, T, V]`` logits are never formed and positions where ``mask`` is False are
-      not projected. Only for a head that is exactly an ``nn.Linear`` without forward
-      hooks, on a model without forward hooks whose config neither soft-caps nor
-      scales the logits (``final_logit_softcapping``, ``logit_scale``,
-      ``logits_scaling``): then the logits are ``hidden @ W^T + b`` and the paths agree.
-    - ``from_hidden="auto"`` (the default): hidden states when the model qualifies and
-      ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits.
-
-    Use it as the actor read-out of ``TokenPPOLoss`` (gradients flow into the
-    LM), and under ``torch.no_grad()`` with ``out_key="sample_log_prob"`` to
-    recompute the sampling log-probs of a converted batch.
-
-    ``temperature=T`` scores ``log_softmax(logits / T)`` on both paths (the entropy too):
-    when the turns were generated at a temperature (``TransformersWrapper``'s
-    ``generate_kwargs={"temperature": T}``, vLLM's ``SamplingParams(temperature=T)``), give
-    the same ``T`` both to the actor read-out and to the recompute of ``sample_log_prob``
-    (after :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch`), or the PPO ratio is not 1
-    before the first update (TRL issue #4159). Top-k / top-p truncation is not modelled:
-    recompute with a sampler that used none.
-
-    Args:
-        model: a Hugging Face causal LM (the one inside ``TransformersWrapper``,
-            ``wrapper.model``), called through :func:`~ppo_objectives.llm.hf.hf_forward`
-            as ``model(input_ids=..., attention_mask=...)`` and returning
-            ``.logits`` ``[B, T, V]``.
-
-    Keyword Args:
-        tokens_key, attention_mask_key, mask_key: inputs (``[B, T]``).
-        out_key: the log-prob output. Defaults to ``"log_prob"``.
-        entropy_key: the entropy output; ``None`` skips it. Defaults to ``"entropy"``.
-        from_hidden: ``True``, ``False`` or ``"auto"`` (above).
-        temperature: the sampling temperature (above). Defaults to 1.0 (no division).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        tokens_key: NestedKey = "tokens",
-        attention_mask_key: NestedKey | None = "attention_mask",
-        mask_key: NestedKey = "mask",
-        out_key: NestedKey = "log_prob",
-        entropy_key: NestedKey | None = "entropy",
-        from_hidden: bool | str = "auto",
-        temperature: float = 1.0,
-    ):
-        super().__init__()
-        _check_from_hidden(from_hidden, "CausalLMTokenLogProbs")
-        self.temperature = check_temperature(temperature, "CausalLMTokenLogProbs: ")
-        self.model = model
-        self.tokens_key, self.attention_mask_key, self.mask_key = tokens_key, attention_mask_key, mask_key
-        self.out_key, self.entropy_key = out_key, entropy_key
-        self.in_keys = [k for k in (tokens_key, attention_mask_key, mask_key) if k is not None]
-        self.out_keys = [k for k in (out_key, entropy_key) if k is not None]
-        fix = (
-            "the hidden-state path needs model.get_output_embeddings() to be a plain nn.Linear without hooks and "
-            "no logit soft-capping / scaling in the config; use from_hidden=False (the model's own logits)"
-        )
-        #: Whether this read-out scores hidden states (True) or the model's logits (False).
-        self.from_hidden = _use_hidden(from_hidden, _hf_linear_head(model), "CausalLMTokenLogProbs", fix)
-
-    def log_probs(self, tokens: Tensor, attention_mask: Tensor | None = None, mask: Tensor | None = None):
-        """``(log_prob, entropy)``, both ``[B, T]`` float32, from ``[B, T]`` inputs."""
-        attention_mask, mask = _check_row_inputs(tokens, attention_mask, mask, "CausalLMTokenLogProbs")
-        B, T = tokens.shape
-        if self.from_hidden:
-            return self._from_hidden(tokens, attention_mask, mask)
-        logits = hf_forward(self.model, tokens, attention_mask, output="logits")  # [B, T, V]
-        if T < 2:
-            zeros = logits.new_zeros(B, T, dtype=torch.float32)
-            return zeros, zeros.clone()
-        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
-        lp, ent = read_log_probs(logits, tokens, ones, T - 1, return_entropy=True,
-                                 temperature=self.temperature)  # tokens 1..T-1
-        pad = lp.new_zeros(B, 1)
-        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
-        return _zero_off_mask(mask, lp, ent)
-
-    def _from_hidden(self, tokens: Tensor, attention_mask: Tensor | None, mask: Tensor | None):
-        B, T = tokens.shape
-        hidden = hf_forward(hf_decoder(self.model), tokens, attention_mask, output="last_hidden_state")  # [B, T, C]
-        if T < 2:
-            zeros = hidden.new_zeros(B, T, dtype=torch.float32)
-            return zeros, zeros.clone()
-        weight, bias = _hf_linear_head(self.model)
-        ones = torch.ones(B, dtype=torch.long, device=tokens.device)
-        lp, ent = response_log_probs_from_hidden(
-            hidden, weight, tokens, ones, T - 1, lm_head_bias=bias, mask=None if mask is None else mask[:, 1:],
-            return_entropy=True, temperature=self.temperature,
-        )  # fmt: skip
-        pad = lp.new_zeros(B, 1)
-        lp, ent = torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
-        return _zero_off_mask(mask, lp, ent)
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        get = lambda k: None if k is None else tensordict.get(k, None)  # noqa: E731
-        lp, ent = self.log_probs(tensordict.get(self.tokens_key), get(self.attention_mask_key), get(self.mask_key))
-        tensordict.set(self.out_key, lp)
-        if self.entropy_key is not None:
-            tensordict.set(self.entropy_key, ent)
-        return tensordict
-
-
-#: Config fields that change the logits after the head: a soft cap, and scales (1 is none).
-_LOGIT_CAPS = ("final_logit_softcapping",)
-_LOGIT_SCALES = ("logit_scale", "logits_scaling")
-
-
-def _hf_linear_head(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight, bias)`` of a Hugging Face causal LM whose logits are exactly ``head(last_hidden_state)``,
-    else ``None``."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if type(head) is not nn.Linear or _has_forward_hooks(head) or _has_forward_hooks(model):
-        return None
-    if hf_decoder(model) is model:  # a decoder alone: no head after it
-        return None
-    config = getattr(model, "config", None)
-    if any(getattr(config, name, None) is not None for name in _LOGIT_CAPS):
-        return None
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_SCALES):
-        return None
-    return head.weight, head.bias

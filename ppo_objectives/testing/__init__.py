@@ -8,7 +8,7 @@ enough to run in milliseconds.
 - **Batch factories** for the layouts of ``ppo_objectives/llm/layouts.py``:
   :func:`response_batch` (what :func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch`
   produces, plus what the training job adds), :func:`full_sequence_batch`
-  (what :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch` produces, plus the
+  (what :class:`~ppo_objectives.llm.chat.LLMToTokenBatch` produces, plus the
   critic's values) and :func:`collector_batch` (TorchRL collector rows with
   done / terminated / truncated flags). :func:`make_mask` draws the masks:
   ``MASK_KINDS`` names them.

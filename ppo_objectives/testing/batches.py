@@ -352,7 +352,7 @@ def full_sequence_batch(
     seed: int | None = None,
     generator: torch.Generator | None = None,
 ) -> TensorDict:
-    """A random full-sequence-layout batch, as :class:`~ppo_objectives.llm.layouts.LLMToTokenBatch` returns it.
+    """A random full-sequence-layout batch, as :class:`~ppo_objectives.llm.chat.LLMToTokenBatch` returns it.
 
     A ``[B, T]`` TensorDict, one dialog per row: ``tokens`` (ids in
     ``[1, vocab_size)``, 0 on the right padding), ``attention_mask`` (True on

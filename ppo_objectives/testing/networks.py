@@ -81,7 +81,7 @@ class TinyTokenCritic(nn.Module):
     values, ``state_value[b, j]`` the value of ``input_ids[b, :P + j]``. Full
     layout: ``forward(tokens)`` returns ``(state_value, next_state_value)``, both
     ``[B, T, 1]`` (TorchRL's layout, as
-    :class:`~ppo_objectives.llm.readouts.CausalLMCritic` writes them): the value
+    :class:`~ppo_objectives.llm.chat.CausalLMCritic` writes them): the value
     before and after each token.
 
     Args:

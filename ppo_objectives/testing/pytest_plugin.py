@@ -1,11 +1,11 @@
-"""pytest fixtures of the testing kit, registered as a pytest plugin when the package is installed.
+"""pytest fixtures of the testing kit, as a pytest plugin a project turns on.
 
-``pyproject.toml`` registers this module under ``[project.entry-points.pytest11]``,
-so any test file of a project that has ``ppo_objectives`` installed gets these
-fixtures without an import (``-p no:ppo_objectives`` turns them off). Every
-fixture name starts with ``ppo_``; every batch is seeded, so a test sees the
-same numbers on every run. The helpers behind them are in
-:mod:`ppo_objectives.testing`, the package this plugin is part of.
+The plugin is opt-in: a project's ``conftest.py`` names it,
+``pytest_plugins = ["ppo_objectives.testing.pytest_plugin"]`` (or ``pytest -p
+ppo_objectives.testing.pytest_plugin``), so the pytest sessions of other projects in the
+same environment never import it (importing it imports the package: torch and torchrl).
+Every fixture name starts with ``ppo_``; every batch is seeded, so a test sees the
+same numbers on every run. The helpers behind them are in :mod:`ppo_objectives.testing`.
 
 ============================== ===============================================================
 fixture                        value
@@ -20,7 +20,7 @@ fixture                        value
 ``ppo_masked_response_batch``  ``response_batch(mask=ppo_mask_kind, seed=0, with_advantage=True)``
 ============================== ===============================================================
 
-Example (a user's ``test_shaper.py``, no import needed)::
+Example (a user's ``conftest.py`` holds the ``pytest_plugins`` line; their ``test_shaper.py``)::
 
     def test_my_shaper_ignores_padding(ppo_masked_response_batch, ppo_testing):
         ppo_testing.assert_mask_invariant(MyShaper(), ppo_masked_response_batch)

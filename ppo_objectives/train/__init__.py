@@ -35,7 +35,7 @@ checkpoint; the run ends by checking that the parameters are identical on every 
 Rollout workers: ``--workers N`` rolls out in ``N`` worker processes on this machine
 (TorchRL's ``MultiSyncCollector``), ``--collector-backend ray --workers N`` in ``N`` Ray actors,
 through TorchRL's own Ray collector (``Collector(backend="ray")``; on a Ray instance started for
-the run, or on the cluster of ``--ray-address``; ``pip install 'ppo_objectives[ray]'``). Each
+the run, or on the cluster of ``--ray-address``; ``pip install -e '.[ray]'``). Each
 worker rolls out ``--num-envs / N`` rows of its own prompts; after every update the learner pushes
 its weights with TorchRL's weight synchronisation, and every frame a worker collects carries the
 ``policy_version`` of the weights that sampled it (TorchRL's ``PolicyVersion``), which the learner
@@ -173,7 +173,7 @@ artifacts in ``DIR/logs/mlartifacts``; ``mlflow ui --backend-store-uri sqlite://
 ``metrics.csv`` is written as without a logger. Only rank 0 logs. ``--resume`` continues at the
 checkpoint's iteration: CSV rows and TensorBoard events logged after it are dropped, the W&B run
 is continued under its id, MLflow starts a new run of the same experiment. The packages are in
-the ``loggers`` extra (``pip install "ppo_objectives[loggers]"``; ``csv`` needs none); a missing
+the ``loggers`` extra (``pip install -e ".[loggers]"``; ``csv`` needs none); a missing
 one is an ``ImportError`` naming it, raised before the run starts.
 
 Pretrained checkpoints, mixed precision, activation checkpointing
@@ -187,7 +187,7 @@ The actor, the critic trunk and the frozen reference are each loaded from ``DIR`
 ``from_pretrained`` (:func:`ppo_objectives.train.pretrained.load_policy_model`; no network); the
 warm start then trains the actor, and the critic trunk and the reference take its weights,
 as the preset's copies do. Each network is the checkpoint behind the **task's tokens**
-(:class:`~ppo_objectives.train.pretrained.TokenMappedLM`): the env's token ids are mapped to the
+(:class:`~ppo_objectives.llm.token_map.TokenMappedLM`): the env's token ids are mapped to the
 model's through the tokenizer (each task token string is one tokenizer token; the identity
 without a tokenizer), and the logits are the LM head's rows of the task's tokens, so the
 policy is the model's next-token distribution renormalised over the task's vocabulary. The
@@ -260,18 +260,30 @@ trained actor of a text run, ``load_causal_lm(DIR_of_--model)`` then
 ``load_state_dict(torch.load("checkpoint.pt")["actor_model"])``, or simply
 ``from_pretrained(DIR/hf)``; to continue the run, the same command with ``--resume``.
 
+Your own step in the loop: callbacks
+------------------------------------
+
+``train(cfg, callbacks=[fn, ...])`` calls each ``fn(row, run)`` after every iteration, once its
+row is logged and its checkpoint (when due) written: ``row`` holds the columns above, ``run`` the
+:class:`~ppo_objectives.train.build.Run` being trained (actor-critic, loss, optimizers, env,
+collector, output directory). A callback that returns ``True`` stops the run after that iteration,
+with a checkpoint that ``--resume`` continues from. :mod:`ppo_objectives.train.loop` says when each
+runs and what holds under ``torchrun``.
+
 Reading this package
 --------------------
 
 Top to bottom, like a single-file RL script split at its seams:
-``config.py`` (the configuration, every field a CLI flag, and the metric columns),
+``config.py`` (the configuration, every field a CLI flag; it imports no other module of the job),
+``launch.py`` (:func:`check_launch`: a launch checked against the machine, the files and a
+checkpoint),
 ``build.py`` (:func:`~ppo_objectives.train.build.build`: tasks, env, collector,
 networks, the PPO modules, a resumed state), ``rollout.py`` (:func:`rollout_batch`),
-``update.py`` (:func:`ppo_update` and its trust region) and ``loop.py``
-(:func:`train`, whose loop is rollout -> update -> log -> checkpoint, and
-:func:`main`). What the job needs around that is in ``distributed.py`` (DDP / FSDP2,
-host memory), ``checkpoints.py`` (checkpoints, RNG states, optimizer snapshots),
-``loggers.py`` (the metrics CSV and the TorchRL loggers) and ``monitor.py``; the
+``update.py`` (:func:`ppo_update` and its trust region, with the optimizer snapshots that undo a step), ``loop.py``
+(:func:`train`, whose loop is rollout -> scoring -> update -> log -> checkpoint ->
+callbacks, in one function) and ``cli.py`` (:func:`main`). What the job needs around that is in ``distributed.py`` (DDP / FSDP2,
+host memory), ``checkpoints.py`` (checkpoints, RNG states),
+``loggers.py`` (the metrics CSV and its columns, the TorchRL loggers) and ``monitor.py``; the
 tasks are ``digit.py`` and ``text.py`` (+ ``text_job.py``), the checkpoints of
 pretrained models ``pretrained.py``.
 """
@@ -280,16 +292,16 @@ from ppo_objectives.train.build import make_collector
 from ppo_objectives.train.config import (
     ADVANTAGE_DEFAULTS,
     ADVANTAGE_MODES,
-    METRICS,
     RECIPES,
     RESUME_MAY_CHANGE,
     TrainConfig,
     build_parser,
-    check_launch,
 )
-from ppo_objectives.train.loggers import read_metrics
+from ppo_objectives.train.launch import check_launch
+from ppo_objectives.train.loggers import METRICS, read_metrics
 from ppo_objectives.train.cli import main
-from ppo_objectives.train.loop import TrainingCollapseWarning, plot_metrics, train
+from ppo_objectives.train.loop import TrainingCollapseWarning, train
+from ppo_objectives.train.monitor import plot_metrics
 from ppo_objectives.train.rollout import (check_policy_version, collect_batch, response_layout, rollout_batch,
                                          score_batch)
 from ppo_objectives.train.update import ppo_update

@@ -23,10 +23,10 @@ from ppo_objectives.llm.readouts import ActorCritic, frozen_reference, make_acto
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train import text_job
 from ppo_objectives.train.checkpoints import load_checkpoint, restore_rng_states, restore_state
-from ppo_objectives.train.config import TrainConfig, columns
+from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.digit import DigitTask, warm_start
 from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_rollout, shard_fsdp, wrap_ddp
-from ppo_objectives.train.loggers import truncate_metrics
+from ppo_objectives.train.loggers import columns, truncate_metrics
 from ppo_objectives.train.monitor import CollapseGuard
 from ppo_objectives.train.pretrained import load_causal_lm, load_policy_model
 from ppo_objectives.train.ray_collector import make_ray_collector
@@ -160,7 +160,7 @@ def _loaded_copy(cfg: TrainConfig, task: DigitTask, lm: torch.nn.Module, device)
 
 def _check_resumed_model(ckpt: dict, cfg: TrainConfig, out: Path) -> None:
     """``--resume`` with another ``--model`` (or a preset run's checkpoint with ``--model``) is an error."""
-    saved = ckpt.get("config", {}).get("model", "")
+    saved = ckpt["config"]["model"]
     if saved != cfg.model:
         raise ValueError(
             f"--resume: {out / 'checkpoint.pt'} was written by a run with --model {saved!r} but this run has --model "
@@ -195,7 +195,6 @@ def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictMo
         entropy_coeff=cfg.entropy_coeff,
         entropy_bonus=True,  # the actor writes entropies: log them even without a bonus
         aggregation=cfg.aggregation,
-        early_stop_kl=cfg.early_stop_kl,
         functional=False,
         device=device,
     )

@@ -4,9 +4,9 @@
   collapse guard, the RNG states of every rank), written atomically and read back
   for ``--resume``, with the run's configuration beside it;
 * **RNG state** capture and restore (torch, CUDA, the update generator, the env's
-  prompt generator);
-* **optimizer snapshots** -- copies of the parameters and AdamW's state, put back
-  in place when the trust region undoes a step.
+  prompt generator).
+
+The trust region's optimizer snapshots are the update's (:mod:`ppo_objectives.train.update`).
 """
 
 from __future__ import annotations
@@ -50,11 +50,8 @@ def restore_rng_states(ckpt: dict, rank: int, generator: torch.Generator, env_ge
 # Checkpoints
 # --------------------------------------------------------------------------- #
 
-OPTIONAL_STATE = ("collapse_guard",)  # absent from checkpoints written before the collapse guard existed
-
 #: The key of a checkpoint's configuration that holds ``{flag: sha256}`` of the input files the run read (``--task
 #: jsonl``: ``--prompts``, ``--reward``'s file, ``--eval-prompts``); ``--resume`` refuses a file whose content changed.
-#: Absent from checkpoints written before it existed.
 INPUT_SHA256 = "input_sha256"
 
 
@@ -101,7 +98,7 @@ def read_run_config(out: Path) -> dict | None:
         if saved["iteration"] == torch.load(path, map_location="cpu", weights_only=False, mmap=True)["iteration"]:
             return saved
     ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return {"iteration": int(ckpt["iteration"]), "config": ckpt.get("config", {})}
+    return {"iteration": int(ckpt["iteration"]), "config": ckpt["config"]}
 
 
 def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
@@ -112,9 +109,9 @@ def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
     ckpt = torch.load(path, map_location=device, weights_only=False) if path.exists() else None
     if ckpt is None and d.main:
         print(f"--resume: no checkpoint at {path}; starting fresh", file=sys.stderr)
-    if ckpt is not None and ckpt.get("world_size", 1) != d.world:
+    if ckpt is not None and ckpt["world_size"] != d.world:
         raise ValueError(
-            f"--resume: {path} was written by a run with {ckpt.get('world_size', 1)} process(es), this one has "
+            f"--resume: {path} was written by a run with {ckpt['world_size']} process(es), this one has "
             f"{d.world}; resume with the same torchrun --nproc_per_node (each rank restores its own RNG states)"
         )
     return ckpt
@@ -123,58 +120,5 @@ def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
 def restore_state(ckpt: dict, stateful: Mapping[str, object]) -> int:
     """Load every entry of ``stateful`` from ``ckpt`` (in order); returns the checkpoint's iteration."""
     for name, obj in stateful.items():
-        if name in ckpt or name not in OPTIONAL_STATE:
-            obj.load_state_dict(ckpt[name])
+        obj.load_state_dict(ckpt[name])
     return int(ckpt["iteration"])
-
-
-# --------------------------------------------------------------------------- #
-# Optimizer snapshots (the trust region's undo)
-# --------------------------------------------------------------------------- #
-
-
-def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
-    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
-    FSDP-sharded tensors (``DTensor``) are copied shard by shard: each rank keeps a copy of its shards.
-
-    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
-    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
-    """
-    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
-            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
-    if reuse is not None and len(reuse[2]) == len(live):
-        saved_params, states, flat = reuse
-        sources = [p.detach() for p in params] + [v for *_, v in live]
-        torch._foreach_copy_(_locals(saved_params + flat), _locals(sources))
-        return reuse
-    saved_params = [p.detach().clone() for p in params]
-    states = [{} for _ in optimizers]
-    flat = []
-    for i, p, k, v in live:
-        copy_v = v.clone()
-        states[i].setdefault(p, {})[k] = copy_v
-        flat.append(copy_v)
-    return saved_params, states, flat
-
-
-def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor, or the local shard of a ``DTensor`` (FSDP's parameters and AdamW moments): in-place
-    copies between tensors of the same sharding run on the shards."""
-    from torch.distributed.tensor import DTensor
-
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
-
-def restore(snap, params, optimizers) -> None:
-    """Put back what :func:`snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
-    saved_params, states, _ = snap
-    with torch.no_grad():
-        for p, saved in zip(params, saved_params):
-            p.copy_(saved)
-    for opt, saved in zip(optimizers, states):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p in saved:
-                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
-                else:  # the snapshot was taken before this parameter's first step
-                    opt.state.pop(p, None)

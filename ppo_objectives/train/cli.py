@@ -2,10 +2,8 @@
 
 :func:`main` parses the flags into a :class:`~ppo_objectives.train.config.TrainConfig`, refuses
 what the run cannot honour with one ``error:`` line that names the flag and the fix, after a
-one-line usage hint (exit 2, no traceback), runs the iterations with the job's own loop
-(:func:`~ppo_objectives.train.loop.train`) or, with ``--loop torchrl``, with TorchRL's
-``Trainer`` (:func:`~ppo_objectives.train.trainer.train_with_trainer`; the same metrics), and
-prints a one-line summary (its speed in s/it below one iteration a second; a text run without
+one-line usage hint (exit 2, no traceback), runs the iterations with the job's loop
+(:func:`~ppo_objectives.train.loop.train`), and prints a one-line summary (its speed in s/it below one iteration a second; a text run without
 held-out prompts says so instead of an accuracy).
 """
 
@@ -18,9 +16,9 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from ppo_objectives.train.config import TrainConfig, build_parser, check_launch
-from ppo_objectives.train.loop import train
-from ppo_objectives.train.trainer import train_with_trainer
+from ppo_objectives.train.config import TrainConfig, build_parser
+from ppo_objectives.train.launch import check_launch
+from ppo_objectives.train.loop import run_checked
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -31,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, OSError, RuntimeError) as err:
         parser.error(flag_message(str(err)))
     t0 = time.perf_counter()
-    rows = (train_with_trainer if cfg.loop == "torchrl" else train)(cfg)
+    rows = run_checked(cfg)
     if rows and int(os.environ.get("RANK", 0)) == 0:
         print(_summary(rows, time.perf_counter() - t0, cfg))
     return 0

@@ -1,46 +1,30 @@
-"""The training job's configuration: :class:`TrainConfig` (every field a CLI flag), the recipes, the metric columns.
+"""The training job's configuration: :class:`TrainConfig` (every field a CLI flag), the recipes, the flags' choices.
 
 :class:`TrainConfig` checks its values at construction; :func:`build_parser` is the
 ``python -m ppo_objectives.train`` command line generated from its fields (the help
-text is the documentation); :func:`check_launch` refuses a launch that cannot be
-honoured (a resume with changed flags, FSDP without a shared trunk, ...) before any
-work starts. :data:`METRICS` and :func:`columns` are the columns of ``metrics.csv``.
+text is the documentation). This module is a leaf of the job: it imports no other
+module of ``ppo_objectives.train`` (its defaults come from the modules it configures,
+:class:`~ppo_objectives.loss.TokenPPOLoss` and :class:`~ppo_objectives.value.gae.MaskedGAE`).
+What needs the rest of the job is elsewhere: the launch checks against the machine, the
+files and a checkpoint (:func:`~ppo_objectives.train.check_launch`), the columns of
+``metrics.csv`` (:data:`~ppo_objectives.train.METRICS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import warnings
 from dataclasses import dataclass, fields
-from pathlib import Path
-
-import torch
 
 from ppo_objectives import _validate
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.train.checkpoints import INPUT_SHA256, read_run_config
-from ppo_objectives.train.digit import DigitTask
-from ppo_objectives.train.distributed import check_fsdp, launched_world_size
-from ppo_objectives.train.loggers import LOGGERS, check_logger
-from ppo_objectives.train.monitor import FLAGS
-from ppo_objectives.train.ray_collector import cluster_address, import_ray
-from ppo_objectives.train.text_job import EVAL_COLUMNS, TEXT_TASKS, check_inputs, input_sha256
 from ppo_objectives.value.gae import MaskedGAE
-
-#: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
-METRICS = (
-    "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_reward_coeff",
-    "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
-    "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
-    "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
-    "update_s", "tokens_per_s",
-    *(f"warn_{f}" for f in FLAGS), "collapse",
-)  # fmt: skip
 
 
 DTYPES = ("float32", "bfloat16")  # --dtype; bfloat16: autocast of the actor and critic, bf16 reference
 COLLECTOR_BACKENDS = ("process", "ray")  # --collector-backend: TorchRL's Collector(backend=...) for the workers
+#: ``--logger``: the ``torchrl.record.loggers`` a run may also send its rows to (``none``: ``metrics.csv`` only).
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 
 
 # --------------------------------------------------------------------------- #
@@ -84,8 +68,11 @@ ADVANTAGE_DEFAULTS: dict[str, dict] = {
 }
 
 
-#: ``--task`` values: the digit tasks (toy recipe) and the text tasks (pretrained recipe).
+#: ``--task`` values: the digit tasks (toy recipe, :class:`~ppo_objectives.train.digit.DigitTask`) and the text
+#: tasks (pretrained recipe): the built-in arithmetic family (:data:`~ppo_objectives.train.text.ARITHMETIC_TASKS`)
+#: and the user's JSONL file (``--prompts``).
 DIGIT_TASKS = ("reverse", "copy", "add")
+TEXT_TASKS = ("chat-add1", "chat-add2", "jsonl")
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
@@ -146,7 +133,7 @@ class TrainConfig:
                          "process), more = one worker process (MultiSyncCollector) or Ray actor each")
     collector_backend: str = _f("process", "where the --workers roll out: 'process' = worker processes on this "
                                            "machine (MultiSyncCollector), 'ray' = Ray actors on CPU (TorchRL's Ray "
-                                           "collector; pip install 'ppo_objectives[ray]')",
+                                           "collector; pip install -e '.[ray]')",
                                 choices=COLLECTOR_BACKENDS)
     ray_address: str = _f("", "--collector-backend ray: the Ray cluster of the rollout actors ('auto': the one "
                               "started on this machine with ray start; HOST:6379); empty: RAY_ADDRESS if set, else "
@@ -204,11 +191,8 @@ class TrainConfig:
     no_plot: bool = _f(False, "do not write training.png")
     no_progress: bool = _f(False, "no progress bars: neither the run's nor transformers' (\"Loading weights\")")
     logger: str = _f("none", "also log every metric to a TorchRL logger under OUT/logs (offline; rank 0); the "
-                             'packages: pip install "ppo_objectives[loggers]"',
+                             'packages: pip install -e ".[loggers]"',
                      choices=("none", *LOGGERS))
-    loop: str = _f("job", "job: this package's loop (ppo_objectives.train.loop); torchrl: torchrl's Trainer with the "
-                          "job's steps as its hooks (ppo_objectives.train.trainer), the same metrics on the same seed",
-                   choices=("job", "torchrl"))
     threads: int = _rf("threads", "torch CPU threads for this run (0 = torch's default); one thread is fastest for "
                                   "tiny models, and far faster when other processes share the cores")
 
@@ -324,11 +308,12 @@ class TrainConfig:
             given = [f for f, v in jsonl_flags.items() if v]
             raise ValueError(f"{', '.join(given)} belong to --task jsonl (your own prompts), but --task is "
                              f"{self.task}; add --task jsonl or drop them")
-        if self.recipe == "toy":
-            task = DigitTask(self.task, self.digits)  # the task checks its own arguments
+        if self.task not in TASKS:
+            raise ValueError(f"TrainConfig task={self.task!r} must be one of {TASKS}")
+        if self.recipe == "toy":  # DigitTask checks --digits itself (check_launch builds one)
             if self.max_new_tokens is not None:
-                raise ValueError(f"--max-new-tokens is for text tasks; the toy task {self.task} answers in "
-                                 f"{task.answer_len} tokens")
+                raise ValueError(f"--max-new-tokens is for text tasks; the toy task {self.task} answers in a fixed "
+                                 f"number of tokens (set by --digits)")
             return
         if not self.model:
             raise ValueError(f"--task {self.task} is a text task: it needs --model DIR, a pretrained checkpoint with "
@@ -380,38 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                 f.type if isinstance(f.type, str) else f.type.__name__]
             default = argparse.SUPPRESS if meta.get("recipe") else f.default
             g.add_argument(flag, type=typ, default=default, help=meta["help"], choices=meta.get("choices"))
-    for old, new in RENAMED_FLAGS.items():
-        _add_renamed_flag(p, old, next(f for f in fields(TrainConfig) if f.name == new))
     return p
-
-
-#: Flags renamed to the argument names of the modules they configure (``docs/design.md``, "Names"). The earlier
-#: spelling still works, with a ``FutureWarning`` naming the new one; ``--allow-change`` and the configuration
-#: saved in an earlier checkpoint are read with the new names.
-RENAMED_FLAGS = {"kl_coef": "kl_reward_coeff", "kl_loss_coef": "kl_to_ref_coeff", "critic_coef": "critic_coeff",
-                 "entropy_coef": "entropy_coeff", "loss_agg_mode": "aggregation", "lam": "lmbda",
-                 "policy_lam": "policy_lmbda", "whiten": "average_gae"}
-
-
-class _RenamedFlag(argparse.Action):
-    """An earlier spelling of a flag: sets the new flag's value and warns with its name."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        negative = option_string.startswith("--no-")
-        new = "--" + ("no-" if negative else "") + self.dest.replace("_", "-")
-        warnings.warn(f"{option_string} is deprecated: the flag is now {new}", FutureWarning, stacklevel=1)
-        setattr(namespace, self.dest, (not negative) if self.nargs == 0 else values)
-
-
-def _add_renamed_flag(p: argparse.ArgumentParser, old: str, new) -> None:
-    flag = "--" + old.replace("_", "-")
-    if new.type in ("bool", bool):
-        p.add_argument(flag, "--no-" + flag[2:], dest=new.name, action=_RenamedFlag, nargs=0,
-                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        return
-    typ = new.metadata.get("type_") or {"int": int, "float": float, "str": str}[str(new.type)]
-    p.add_argument(flag, dest=new.name, action=_RenamedFlag, type=typ, default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
 
 
 #: ``--help``'s groups, and the flags (TrainConfig fields) in each.
@@ -423,8 +377,7 @@ _HELP_GROUPS = {
     "KL": "the reference KL (in the reward, in the loss)",
     "critic": "the value function and GAE",
     "output": "what is written and shown",
-    "parallel": "rollout workers (processes or Ray actors), torchrun (DDP / FSDP2), threads, the loop (ours or "
-                "torchrl's Trainer)",
+    "parallel": "rollout workers (processes or Ray actors), torchrun (DDP / FSDP2), threads",
 }
 
 
@@ -440,110 +393,11 @@ _GROUP_MEMBERS = {
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
-    "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads", "loop"),
+    "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads"),
 }
 
 
 #: The flags a ``--resume`` may change: they alter neither what the run computes nor its data (``--iterations``
 #: only upward). Any other difference from the checkpoint's configuration is refused unless ``--allow-change`` names it.
 RESUME_MAY_CHANGE = ("iterations", "resume", "out", "no_progress", "no_plot", "logger", "save_every", "threads",
-                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "loop", "ray_address")
-
-
-def check_launch(cfg: TrainConfig) -> None:
-    """Refuse, before any process group, model or file exists, what this run cannot honour.
-
-    ``--device cuda`` without CUDA, a ``--logger`` whose package is missing, ``--fsdp`` or
-    ``--shared-trunk`` where they cannot run, ``--collector-backend ray`` without ray (or under
-    torchrun without ``--ray-address``), an ``--out`` that is (or lies under) a file, ``--allow-change``
-    without ``--resume``, a ``--model`` or text-task input that cannot be read
-    (:func:`~ppo_objectives.train.text_job.check_inputs`), and for ``--resume``: no checkpoint in
-    ``--out``, flags that differ from the checkpoint's (:data:`RESUME_MAY_CHANGE` lists those that
-    may), input files (``--prompts``, ``--reward``, ``--eval-prompts``) whose sha256 differs from the
-    checkpoint's, or nothing left to run. ``python -m ppo_objectives.train`` turns each into an
-    ``error:`` line (exit 2).
-    """
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
-    check_logger(cfg.logger)  # its package is missing: say so now, not after the warm start
-    check_fsdp(cfg.fsdp, shared_trunk=cfg.shared_trunk, workers=cfg.workers)
-    if cfg.shared_trunk and launched_world_size() > 1:
-        raise ValueError(
-            "--shared-trunk under torchrun: the actor and the critic would share parameters, and two "
-            "DistributedDataParallel wrappers cannot own the same parameters; add --no-shared-trunk for "
-            "data-parallel runs (the critic then has its own copy of the trunk)"
-        )
-    if cfg.collector_backend == "ray":
-        _check_ray_launch(cfg)
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file; give a directory (created if missing) for the run's outputs")
-    above = next(p for p in out.absolute().parents if p.exists())  # where --out would be created
-    if not above.is_dir():
-        raise FileExistsError(f"--out {out}: {above} is a file, so the directory cannot be created there; give a "
-                              f"directory path outside it")
-    if cfg.allow_change and not cfg.resume:
-        raise ValueError(f"--allow-change {cfg.allow_change} names flags a --resume may change, but this run does not "
-                         f"resume; add --resume (with the --out of the run to continue) or drop --allow-change")
-    check_inputs(cfg)  # --model, --prompts, --reward, --eval-prompts: readable before anything loads
-    if cfg.resume:
-        _check_resume(cfg, out)
-
-
-def _check_ray_launch(cfg: TrainConfig) -> None:
-    """``--collector-backend ray``: ray is installed; under torchrun all ranks join one cluster (``--ray-address``)."""
-    import_ray()
-    world = launched_world_size()
-    if world > 1 and not cluster_address(cfg.ray_address):
-        raise ValueError(
-            f"--collector-backend ray under torchrun ({world} ranks) needs --ray-address: each rank would start a "
-            "Ray instance of its own; start one cluster (ray start --head) and pass --ray-address auto (or HOST:6379)"
-        )
-
-
-def _check_resume(cfg: TrainConfig, out: Path) -> None:
-    """``--resume``: a checkpoint exists, its configuration is this run's but for :data:`RESUME_MAY_CHANGE` (and
-    ``--allow-change``), the input files it recorded (``--task jsonl``) have the same sha256, and iterations are
-    left to run."""
-    saved = read_run_config(out)
-    if saved is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {out} ({out / 'checkpoint.pt'} does not exist); drop --resume to start a new "
-            f"run there, or give the --out of the run to continue"
-        )
-    allowed = {a.strip().replace("-", "_") for a in cfg.allow_change.split(",") if a.strip()}
-    allowed = {RENAMED_FLAGS.get(a, a) for a in allowed}
-    unknown = sorted(allowed - {f.name for f in fields(TrainConfig)})
-    if unknown:
-        raise ValueError(f"--allow-change {cfg.allow_change}: no such flag {unknown}; name flags as on the command "
-                         f"line, e.g. --allow-change lr,kl-reward-coeff")
-    config = {RENAMED_FLAGS.get(name, name): value for name, value in saved["config"].items()}
-    iteration = int(saved["iteration"])
-    changed = [f.name for f in fields(TrainConfig) if f.name in config and f.name not in RESUME_MAY_CHANGE
-               and f.name not in allowed and config[f.name] != getattr(cfg, f.name)]
-    if changed:
-        shown = ", ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)!r} (the checkpoint's: {config[n]!r})"
-                          for n in changed)
-        raise ValueError(
-            f"--resume: this run's flags differ from those of the run in {out}: {shown}; they change what the run "
-            f"computes, so the resumed run would not continue it. Give the checkpoint's values, start a new --out, or "
-            f"change them on purpose with --allow-change {','.join(n.replace('_', '-') for n in changed)}"
-        )
-    saved_sha, sha = config.get(INPUT_SHA256) or {}, input_sha256(cfg)  # the input files' contents, as flags are
-    edited = [n for n in saved_sha if n in sha and n not in allowed and saved_sha[n] != sha[n]]
-    if edited:
-        shown = ", ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)} (sha256 {sha[n][:12]}..., the checkpoint's: "
-                          f"{saved_sha[n][:12]}...)" for n in edited)
-        raise ValueError(
-            f"--resume: input files changed since the checkpoint in {out} was written: {shown}; the resumed run would "
-            f"train or evaluate on other data than the run it continues. Restore the files, start a new --out, or "
-            f"change them on purpose with --allow-change {','.join(n.replace('_', '-') for n in edited)}"
-        )
-    if iteration >= cfg.iterations:
-        raise ValueError(f"--resume: nothing left to run: the checkpoint in {out} is at iteration {iteration} and "
-                         f"--iterations is {cfg.iterations}; raise --iterations to continue the run")
-
-
-def columns(cfg: TrainConfig) -> tuple[str, ...]:
-    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks."""
-    return (*METRICS, *EVAL_COLUMNS) if cfg.recipe == "pretrained" else METRICS
+                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "ray_address")

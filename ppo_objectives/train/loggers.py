@@ -1,10 +1,10 @@
 """Where the job's numbers go (internal; :func:`read_metrics` is public through :mod:`ppo_objectives.train`).
 
-* **the metrics CSV** (``metrics.csv``: append a row, drop the rows an interrupted
-  run logged after its last checkpoint, read it back);
+* **the metrics CSV** (``metrics.csv``: its columns, :data:`METRICS` and :func:`columns`;
+  append a row, drop the rows an interrupted run logged after its last checkpoint, read it back);
 * **TorchRL loggers** (``--logger``: a ``torchrl.record.loggers`` logger writing
   under ``OUT/logs``, offline, that receives every row of ``metrics.csv``);
-* **stderr lines** that do not break the progress bar (warnings, skipped steps).
+* **stderr lines** that do not break the progress bar (warnings).
 """
 
 from __future__ import annotations
@@ -16,9 +16,29 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ppo_objectives.train.config import LOGGERS, TrainConfig
+from ppo_objectives.train.monitor import FLAGS
+from ppo_objectives.train.text_job import EVAL_COLUMNS
+
 # --------------------------------------------------------------------------- #
 # The metrics CSV
 # --------------------------------------------------------------------------- #
+
+#: The columns of ``metrics.csv``, in order (a text task adds the held-out evaluation's; see :func:`columns`).
+METRICS = (
+    "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_reward_coeff",
+    "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
+    "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
+    "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
+    "update_s", "tokens_per_s",
+    *(f"warn_{f}" for f in FLAGS), "collapse",
+)  # fmt: skip
+
+
+def columns(cfg: TrainConfig) -> tuple[str, ...]:
+    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks."""
+    return (*METRICS, *EVAL_COLUMNS) if cfg.recipe == "pretrained" else METRICS
+
 
 
 def append_metrics(path: Path, row: dict, fieldnames: Sequence[str]) -> None:
@@ -58,8 +78,6 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 # TorchRL loggers (--logger)
 # --------------------------------------------------------------------------- #
 
-LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
-
 
 _LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # csv needs none
 
@@ -78,7 +96,7 @@ def check_logger(kind: str | None) -> None:
     if package is not None and importlib.util.find_spec(package) is None:
         raise ImportError(
             f"--logger {kind} needs the {package} package, which is not installed: "
-            f'pip install "ppo_objectives[loggers]" (or pip install {package})'
+            f'pip install -e ".[loggers]" (or pip install {package})'
         )
 
 
@@ -171,13 +189,6 @@ def _purge_tensorboard(writer, step: int) -> None:
 # --------------------------------------------------------------------------- #
 # stderr
 # --------------------------------------------------------------------------- #
-
-
-def log_skip(rank: int, process_group, why: str, epoch: int, minibatch: int) -> None:
-    """The stderr line of a minibatch step skipped by the non-finite guard."""
-    where = f" on rank {rank}" if process_group is not None else ""
-    print(f"ppo_update: {why}{where} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
-          "(on every rank; counted in skipped_steps)", file=sys.stderr, flush=True)
 
 
 def warn_line(line: str, bar) -> None:

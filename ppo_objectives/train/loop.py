@@ -1,9 +1,35 @@
-"""The job's loop and its command line: :func:`train` and :func:`main`.
+"""The job's loop: :func:`train`, one PPO iteration after another, read top to bottom.
 
-Each iteration is rollout (:mod:`~ppo_objectives.train.rollout`) -> update
-(:mod:`~ppo_objectives.train.update`) -> log (``metrics.csv``, the TorchRL logger,
-the collapse guard, a progress bar) -> checkpoint, with a held-out evaluation for
-text tasks and a plot at the end.
+Each iteration is rollout (:mod:`~ppo_objectives.train.rollout`) -> scoring (``V_old``, the
+reference log-probs, the KL penalty, GAE) -> update (:mod:`~ppo_objectives.train.update`) -> KL
+controller -> log (``metrics.csv``, the TorchRL logger, the collapse guard, a progress bar) ->
+checkpoint, with a held-out evaluation for text tasks and a plot at the end; then the callbacks.
+
+Callbacks (``train(cfg, callbacks=[...])``) are how a user adds their own step to the loop:
+
+- each is called as ``callback(row, run)`` once per iteration, after the iteration's row is
+  logged (``metrics.csv``, ``--logger``) and its checkpoint, when due, is written;
+- ``row`` is that row (the columns of :data:`~ppo_objectives.train.METRICS`, explained
+  in :mod:`ppo_objectives.train`), ``run`` the :class:`~ppo_objectives.train.build.Run` the
+  loop trains (``run.ac`` the actor-critic, ``run.loss_module``, ``run.optimizers``,
+  ``run.env``, ``run.collector``, ``run.out`` the run's directory, ...): a callback may read
+  them, save more, or change them (an optimizer's learning rate, say) at its own risk;
+- returning ``True`` stops the run after this iteration: the loop writes the checkpoint (when
+  it was not due anyway) and the final plot, and ``--resume`` continues from there; ``None`` or
+  ``False`` goes on. Every callback is called, even after one asked to stop;
+- under ``torchrun`` every rank calls it with the same row (rows are all-reduced), so a
+  decision taken from the row is the same on every rank; a decision from anything local must
+  be agreed between the ranks by the callback, or the ranks hang.
+
+Example:
+    >>> import tempfile
+    >>> from ppo_objectives.train import TrainConfig
+    >>> def stop_at_iteration_2(row, run):
+    ...     return row["iteration"] >= 2
+    >>> cfg = TrainConfig(iterations=50, preset="pico", num_envs=8, warmup_steps=2, no_plot=True,
+    ...                   no_progress=True, out=tempfile.mkdtemp())
+    >>> [row["iteration"] for row in train(cfg, callbacks=[stop_at_iteration_2])]
+    [1, 2]
 """
 
 from __future__ import annotations
@@ -13,6 +39,7 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +55,7 @@ from ppo_objectives.train.checkpoints import (
     save_checkpoint,
     write_run_config,
 )
-from ppo_objectives.train.config import METRICS, TrainConfig, check_launch, columns
+from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.distributed import (
     Dist,
     all_reduce,
@@ -38,41 +65,106 @@ from ppo_objectives.train.distributed import (
     init_distributed,
     release_host_memory,
 )
-from ppo_objectives.train.loggers import append_metrics, close_logger, log_row, make_logger, read_metrics, warn_line
-from ppo_objectives.train.monitor import FLAGS, CollapseGuard
-from ppo_objectives.train.monitor import plot_metrics as _plot
+from ppo_objectives.train.launch import check_launch
+from ppo_objectives.train.loggers import (METRICS, append_metrics, close_logger, columns, log_row, make_logger,
+                                         read_metrics, warn_line)
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
 from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
 from ppo_objectives.train.text_job import EVAL_COLUMNS
 from ppo_objectives.train.update import ppo_update
 
-# --------------------------------------------------------------------------- #
-# The loop
-# --------------------------------------------------------------------------- #
+#: ``callback(row, run) -> bool | None``: see the module docstring.
+Callback = Callable[[dict, Run], "bool | None"]
 
 
-def train(cfg: TrainConfig) -> list[dict[str, float]]:
+def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> list[dict[str, float]]:
     """Run PPO as configured; returns the metrics rows of the iterations run now.
 
-    Under ``torchrun`` (``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` set) every process runs this
-    as one rank of a data-parallel job and gets the same rows (all-reduced over the ranks).
+    ``callbacks``: called after each iteration (see the module docstring); one returning ``True``
+    stops the run. Under ``torchrun`` (``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` set) every
+    process runs this as one rank of a data-parallel job and gets the same rows (all-reduced).
     """
-    return run_training(cfg, _train)
-
-
-def run_training(cfg: TrainConfig, body) -> list[dict[str, float]]:
-    """The frame of a run: the launch checks, ``--threads``, the process group around ``body(cfg, d) -> rows``;
-    ``--no-progress`` also silences transformers' progress bars ("Loading weights", ...) for the run."""
     check_launch(cfg)
+    return run_checked(cfg, callbacks)
+
+
+def run_checked(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> list[dict[str, float]]:
+    """:func:`train` of a configuration :func:`~ppo_objectives.train.check_launch` has passed (the command
+    line checks it first, to turn a refusal into an ``error:`` line)."""
+    # --- plumbing: --threads, the process group, transformers' progress bars (off with --no-progress)
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     d = init_distributed(cfg.device)
     try:
         with _hf_progress_bars(not cfg.no_progress):
-            return body(cfg, d)
+            return _train(cfg, d, tuple(callbacks))
     finally:
         torch.set_num_threads(threads_before)
-        close_distributed(d)  # body has returned: its DDP wrappers are freed while the group is alive
+        close_distributed(d)  # _train has returned: its DDP wrappers are freed while the group is alive
+
+
+def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]]:
+    run = build(cfg, d)  # tasks, env + collector, actor-critic, reference, KL transform, GAE, loss, optimizers
+    pg, rows = d.group, []
+    bar, logger = _reporters(cfg, d, run.start_it, run.out)  # plumbing: rank 0's progress bar and --logger
+    try:
+        if run.evaluation is not None and run.start_it == 0:  # text tasks: row 0, the pretrained model
+            rows.append(_log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
+        train_s = 0.0  # rollouts and updates since this process started (--time-limit, --eval-minutes)
+        for it in range(run.start_it, cfg.iterations):
+            # 1. rollout through the collector, in the response layout
+            t0 = time.perf_counter()
+            with gathered_for_rollout(run.ac.actor_model):  # --fsdp: the whole actor (else nothing)
+                llm = collect_batch(run.collector_iter, run.device, run.P, run.M,
+                                    policy_version=run.policy_version(it))
+            t_ref = time.perf_counter()
+            # 2. scoring: V_old, the reference's log-probs, the KL penalty in the reward, GAE
+            llm = score_batch(llm, run.ac, run.kl_transform, run.gae)
+            t1 = time.perf_counter()
+            # 3. PPO epochs x minibatches, approx-KL trust region, non-finite guard (critic only while
+            #    it < --critic-warmup: the actor keeps the policy that made the rollouts)
+            stats = ppo_update(llm, run.loss_module, run.ac, run.optimizers, cfg, run.gen, process_group=pg,
+                               critic_only=it < cfg.critic_warmup)
+            t2 = time.perf_counter()
+            # 4. the in-reward KL coefficient (on the all-rank KL: identical on every rank) and the row
+            roll = rollout_stats(llm, run.kl_transform, pg)
+            coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
+            n_tok = roll.pop("tokens")
+            row = dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
+                       reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
+                       **stats)  # fmt: skip
+            if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)
+                run.collector.update_policy_weights_()
+            release_host_memory()  # plumbing: the freed host memory of the rollout and update, back to the system
+            # 5. held-out evaluation when due, the collapse guard, metrics.csv / --logger / bar, checkpoint
+            spent = t2 - t0
+            train_s += spent
+            last = it + 1 == cfg.iterations or _out_of_time(cfg, train_s, pg, run.device)
+            if run.evaluation is not None:
+                row.update(_evaluate_if_due(run, it + 1, last, train_s))
+            row = _log_iteration(row, run.guard, d, run.out, bar, logger, columns(cfg), spent if cfg.time_limit else 1)
+            saved = (it + 1) % cfg.save_every == 0 or last
+            if saved:  # checkpoint and plot; text tasks: the Hugging Face export
+                _save(run, it + 1)
+            rows.append(row)
+            # 6. the user's callbacks: any of them may stop the run
+            stop = [bool(callback(row, run)) for callback in callbacks]
+            if any(stop) and not saved:
+                _save(run, it + 1)
+            if last or any(stop):
+                break
+        ac = run.ac
+        check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], pg)
+        if pg is not None and d.main:
+            print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
+    finally:  # plumbing: reporters, the collector, the DDP reducers (freed while the process group is alive)
+        _close_reporters(bar, logger)
+        run.collector.shutdown()
+        run.loss_module = None
+        run.ddp_wrappers.clear()
+    _finish_run(cfg, d, run.guard, run.out)
+    return rows
 
 
 @contextlib.contextmanager
@@ -92,91 +184,6 @@ def _hf_progress_bars(shown: bool):
     finally:
         if before and not shown:
             hf_logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def started(cfg: TrainConfig, d: Dist):
-    """``(run, rows, bar, logger)`` of a built run with its reporters (rank 0: the progress bar unless
-    ``--no-progress``, ``--logger``) and, for a text task from its start, row 0 (the pretrained model's held-out
-    evaluation); on exit the reporters are closed, the collector shut down and the DDP reducers freed."""
-    run = build(cfg, d)
-    rows: list[dict[str, float]] = []
-    bar, logger = _reporters(cfg, d, run.start_it, run.out)
-    try:
-        if run.evaluation is not None and run.start_it == 0:
-            rows.append(_log_start(run.evaluation(run.ac.actor_model, 0, "start"), cfg, d, run.out, logger))
-        yield run, rows, bar, logger
-    finally:
-        _close_reporters(bar, logger)
-        run.collector.shutdown()
-        run.loss_module = None
-        run.ddp_wrappers.clear()  # free the DDP reducers now, while the process group is alive
-
-
-def _train(cfg: TrainConfig, d: Dist) -> list[dict[str, float]]:
-    with started(cfg, d) as (run, rows, bar, logger):  # --- the loop: rollout -> update -> log -> checkpoint
-        train_s = 0.0  # rollouts and updates since this process started (--time-limit)
-        for it in range(run.start_it, cfg.iterations):
-            row, train_s, last = end_iteration(run, it, _iteration(run, it), train_s, bar, logger)
-            rows.append(row)
-            if last:
-                break
-        ac = run.ac
-        check_ranks_in_sync([ac.actor_model, ac.critic_model, ac.critic_head], d.group)
-        if d.group is not None and d.main:
-            print(f"parameters identical on all {d.world} ranks", file=sys.stderr, flush=True)
-    finish_run(cfg, d, run.guard, run.out)
-    return rows
-
-
-def _iteration(run: Run, it: int) -> dict[str, float]:
-    """One PPO iteration: rollout, scoring (V_old, reference, KL penalty, GAE), update, KL controller; its row."""
-    cfg, pg = run.cfg, run.d.group
-    # 1. rollout through the collector, then KL penalty and GAE on the LLM layout
-    t0 = time.perf_counter()
-    with gathered_for_rollout(run.ac.actor_model):  # --fsdp: the whole actor (else nothing)
-        llm = collect_batch(run.collector_iter, run.device, run.P, run.M, policy_version=run.policy_version(it))
-    t_ref = time.perf_counter()
-    llm = score_batch(llm, run.ac, run.kl_transform, run.gae)  # V_old, reference log-probs, KL penalty, GAE
-    t1 = time.perf_counter()
-    # 2. PPO epochs x minibatches, approx-KL trust region, non-finite guard (critic only while
-    #    it < --critic-warmup: the actor keeps the policy that made the rollouts)
-    stats = ppo_update(llm, run.loss_module, run.ac, run.optimizers, cfg, run.gen, process_group=pg,
-                       critic_only=it < cfg.critic_warmup)
-    t2 = time.perf_counter()
-    # 3. KL coefficient update; the collector's policy shares the weights (in-process) or receives them (workers)
-    row = close_iteration(run, it, llm, dict(rollout_s=t_ref - t0, reference_s=t1 - t_ref, update_s=t2 - t1), stats)
-    if cfg.remote_rollouts:
-        run.collector.update_policy_weights_()  # the next rollout's policy version
-    release_host_memory()  # the rollout's and the update's freed host memory, back to the system
-    return row
-
-
-def close_iteration(run: Run, it: int, llm, times: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
-    """After the update: the rollout's statistics, the in-reward KL coefficient's update (on the all-rank KL: beta
-    stays identical on every rank) and the iteration's row (``times``: ``rollout_s``, ``reference_s``,
-    ``update_s``; ``stats``: the update's)."""
-    roll = rollout_stats(llm, run.kl_transform, run.d.group)
-    coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
-    n_tok = roll.pop("tokens")
-    return dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), **times,
-                tokens_per_s=n_tok / max(times["rollout_s"], 1e-9), **stats)  # fmt: skip
-
-
-def end_iteration(run: Run, it: int, row: dict, train_s: float, bar, logger) -> tuple[dict, float, bool]:
-    """The end of iteration ``it``: the held-out evaluation when due (text tasks), the collapse guard's columns and
-    warning lines, metrics.csv / ``--logger`` / the bar, the checkpoint every ``--save-every`` iterations and at
-    the end. Returns ``(logged row, training seconds so far, whether it was the last iteration)``."""
-    cfg = run.cfg
-    spent = row["rollout_s"] + row["reference_s"] + row["update_s"]
-    train_s += spent
-    last = it + 1 == cfg.iterations or _out_of_time(cfg, train_s, run.d.group, run.device)
-    if run.evaluation is not None:  # held-out accuracy of the updated policy
-        row.update(_evaluate_if_due(run, it + 1, last, train_s))
-    row = _log_iteration(row, run.guard, run.d, run.out, bar, logger, columns(cfg), spent if cfg.time_limit else 1)
-    if (it + 1) % cfg.save_every == 0 or last:  # checkpoint and plot; text tasks: the Hugging Face export
-        _save(run, it + 1)
-    return row, train_s, last
 
 
 def _evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> dict[str, float]:
@@ -211,9 +218,9 @@ def _save(run: Run, iteration: int) -> None:
         text_job.export_hf(run.ac.actor_model, run.task.tokenizer, run.out / "hf")
 
 
-def plot_metrics(csv_path: Path, png_path: Path) -> None:
-    """Plot ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.train.monitor.plot_metrics`)."""
-    _plot(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
+def _plot_run(csv_path: Path, png_path: Path) -> None:
+    """Redraw the run's ``metrics.csv`` into ``png_path`` (:func:`ppo_objectives.train.monitor.plot_metrics`)."""
+    plot_metrics(read_metrics(csv_path), png_path, title=f"PPO run {Path(csv_path).parent.name}")
 
 
 def _log_start(evaluated: dict, cfg: TrainConfig, d: Dist, out: Path, logger) -> dict:
@@ -284,14 +291,14 @@ def _checkpoint(iteration: int, cfg: TrainConfig, d: Dist, stateful: dict, rng: 
         save_checkpoint(out / "checkpoint.pt", state)
         write_run_config(out, iteration, config)  # what --resume compares its flags and input files with
         if not cfg.no_plot:
-            plot_metrics(out / "metrics.csv", out / "training.png")
+            _plot_run(out / "metrics.csv", out / "training.png")
 
 
-def finish_run(cfg: TrainConfig, d: Dist, guard: CollapseGuard, out: Path) -> None:
+def _finish_run(cfg: TrainConfig, d: Dist, guard: CollapseGuard, out: Path) -> None:
     """The final plot, and a :class:`TrainingCollapseWarning` (issued from :func:`train`) when the run collapsed."""
     csv_path = out / "metrics.csv"
     if d.main and not cfg.no_plot and csv_path.exists():
-        plot_metrics(csv_path, out / "training.png")
+        _plot_run(csv_path, out / "training.png")
     if d.main and guard.collapses:
         warnings.warn(f"the PPO run in {out} collapsed: {guard.summary()}; see the warn_* and collapse columns "
                       f"of {csv_path} and {out / 'training.png'}", TrainingCollapseWarning, stacklevel=3)

@@ -259,6 +259,9 @@ def _set(row: dict, key: str) -> bool:
 def plot_metrics(rows: list[dict], png_path: str | Path, *, title: str | None = None) -> None:
     """Draw a run's metrics rows into ``png_path`` (written atomically).
 
+    ``rows`` are the job's metrics rows (:func:`ppo_objectives.train.read_metrics` reads them back from a
+    ``metrics.csv``); the job redraws ``DIR/training.png`` with them at every checkpoint.
+
     One axis per signal group (the table in the module docstring): task score,
     response length, per-token KL (mean and max, symlog scale so a spike of 10 nats
     and a mean of 0.01 are both readable), entropy, clip fractions, explained

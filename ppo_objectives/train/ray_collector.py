@@ -20,7 +20,7 @@ __all__ = ["ACTOR_RESOURCES", "RAY_INSTALL", "check_cluster_cpus", "cluster_addr
            "make_ray_collector", "ray_init_config"]
 
 #: How to install what ``--collector-backend ray`` needs.
-RAY_INSTALL = "pip install 'ppo_objectives[ray]'"
+RAY_INSTALL = "pip install -e '.[ray]'"
 
 #: Resources of one rollout actor: a CPU, no GPU (TorchRL's default asks for a fifth of a GPU).
 ACTOR_RESOURCES = {"num_cpus": 1, "num_gpus": 0}

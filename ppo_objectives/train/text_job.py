@@ -18,7 +18,6 @@ import torch
 
 from ppo_objectives.train.pretrained import CONVERTER, check_checkpoint_dir, has_tokenizer, load_tokenizer
 from ppo_objectives.train.text import (
-    ARITHMETIC_TASKS,
     TextTask,
     arithmetic_examples,
     check_reward_signature,
@@ -27,9 +26,6 @@ from ppo_objectives.train.text import (
     number_reward,
     read_prompts_jsonl,
 )
-
-#: The job's text tasks: the built-in arithmetic family and the user's JSONL file (``--prompts``).
-TEXT_TASKS = (*ARITHMETIC_TASKS, "jsonl")
 
 #: The held-out sampling generator is seeded with ``--seed`` + this (a stream apart from the training run's).
 EVAL_SEED_OFFSET = 7919

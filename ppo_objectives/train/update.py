@@ -4,12 +4,14 @@
 (gradient clipping, AdamW for the actor and the critic). Once the approx-KL
 crosses ``early_stop_kl`` the step that crossed it is undone, a fraction of it is
 tried (TRPO's backtracking), and the update stops; a step whose loss or gradient
-norm is not finite is skipped.
+norm is not finite is skipped. The trust region's undo is an optimizer snapshot
+(``snapshot``, ``restore``): the parameters and AdamW's state before the step.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,10 +20,8 @@ from tensordict import TensorDictBase
 from ppo_objectives import functional as F
 from ppo_objectives.llm.readouts import ActorCritic
 from ppo_objectives.loss import TokenPPOLoss
-from ppo_objectives.train.checkpoints import restore, snapshot
 from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.distributed import all_reduce, clip_grad_norm_
-from ppo_objectives.train.loggers import log_skip
 
 
 def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, optimizers, cfg: TrainConfig,
@@ -250,3 +250,62 @@ def _logged(out: TensorDictBase) -> dict[str, float]:
 
 def _loss_terms(out: TensorDictBase) -> dict[str, float]:
     return {k: float(v.detach()) for k, v in out.items() if k.startswith("loss_")}
+
+
+# --------------------------------------------------------------------------- #
+# Optimizer snapshots (the trust region's undo) and the non-finite guard's line
+# --------------------------------------------------------------------------- #
+
+
+def snapshot(params, optimizers, reuse=None) -> tuple[list[torch.Tensor], list[dict], list[torch.Tensor]]:
+    """Copies of the parameters and of every optimizer's per-parameter state (AdamW's moments, step).
+    FSDP-sharded tensors (``DTensor``) are copied shard by shard: each rank keeps a copy of its shards.
+
+    ``reuse``: an earlier snapshot of the same tensors, whose buffers are overwritten in place
+    (one ``_foreach_copy_`` instead of a fresh allocation per tensor) when its layout still fits.
+    """
+    live = [(i, p, k, v) for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
+            if p in opt.state for k, v in opt.state[p].items()]  # fmt: skip
+    if reuse is not None and len(reuse[2]) == len(live):
+        saved_params, states, flat = reuse
+        sources = [p.detach() for p in params] + [v for *_, v in live]
+        torch._foreach_copy_(_locals(saved_params + flat), _locals(sources))
+        return reuse
+    saved_params = [p.detach().clone() for p in params]
+    states = [{} for _ in optimizers]
+    flat = []
+    for i, p, k, v in live:
+        copy_v = v.clone()
+        states[i].setdefault(p, {})[k] = copy_v
+        flat.append(copy_v)
+    return saved_params, states, flat
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor, or the local shard of a ``DTensor`` (FSDP's parameters and AdamW moments): in-place
+    copies between tensors of the same sharding run on the shards."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def restore(snap, params, optimizers) -> None:
+    """Put back what :func:`snapshot` copied (in place: DDP and the optimizers keep their tensors)."""
+    saved_params, states, _ = snap
+    with torch.no_grad():
+        for p, saved in zip(params, saved_params):
+            p.copy_(saved)
+    for opt, saved in zip(optimizers, states):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p in saved:
+                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[p].items()}
+                else:  # the snapshot was taken before this parameter's first step
+                    opt.state.pop(p, None)
+
+
+def log_skip(rank: int, process_group, why: str, epoch: int, minibatch: int) -> None:
+    """The stderr line of a minibatch step skipped by the non-finite guard."""
+    where = f" on rank {rank}" if process_group is not None else ""
+    print(f"ppo_update: {why}{where} at epoch {epoch} minibatch {minibatch}: optimizer step skipped "
+          "(on every rank; counted in skipped_steps)", file=sys.stderr, flush=True)

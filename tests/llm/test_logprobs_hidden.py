@@ -21,11 +21,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ppo_objectives._kernels.logprobs import default_hidden_chunk_size, gathered_log_probs_from_hidden
 from ppo_objectives.functional import response_log_probs_from_hidden, value_checks
+from ppo_objectives.llm.chat import CausalLMTokenLogProbs
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.models import LMOutput, TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.readouts import (
     FROM_HIDDEN_MIN_VOCAB,
-    CausalLMTokenLogProbs,
     ResponseLogProbs,
     lm_head_parameters,
     make_actor_critic,

@@ -357,7 +357,7 @@ def test_hf_adapter_drives_the_env_and_matches_its_own_forward():
     lm = _tiny_llama()
     env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=3, seed=0)
     ac = make_actor_critic(lm, prompt_len=env.prompt_len)
-    assert ac.policy.module[0].module.use_kv_cache  # Llama takes the per-row cache (tests/llm/test_hf_cache.py)
+    assert ac.policy.module[0].module.use_kv_cache  # Llama takes the per-row cache (tests/llm/test_hf.py)
     with torch.no_grad():
         roll = env.rollout(2, ac.policy, break_when_any_done=False)
     step = roll[:, 1]
@@ -382,24 +382,7 @@ def test_hf_adapter_left_padding_matches_the_unpadded_sequence():
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)
 
 
-# ----------------------------------------------------------------------------- module map and shared read-outs
-
-
-@pytest.mark.parametrize("name, home", [("NextTokenLogits", "llm.policy"), ("make_actor", "llm.policy"),
-                                        ("sample_with_kv_cache", "llm.policy"), ("ResponseLogProbs", "llm.readouts"),
-                                        ("ResponseValues", "llm.readouts"), ("ActorCritic", "llm.readouts"),
-                                        ("make_actor_critic", "llm.readouts")])
-def test_names_built_on_the_models_are_imported_from_their_own_module(name, home):
-    """models sits below policy and readouts: it does not re-export them, it names their module."""
-    import importlib
-
-    import ppo_objectives.models as models
-
-    assert getattr(importlib.import_module(f"ppo_objectives.{home}"), name) is not None
-    with pytest.raises(ImportError, match=rf"{name} is not in ppo_objectives.models.*from ppo_objectives.{home} import"):
-        exec(f"from ppo_objectives.models import {name}", {})
-    with pytest.raises(AttributeError, match=r"module 'ppo_objectives\.models' has no attribute 'no_such_name'"):
-        models.no_such_name  # noqa: B018
+# ----------------------------------------------------------------------------- shared read-outs
 
 
 def test_value_head_inits_are_the_documented_ones():
@@ -452,7 +435,7 @@ def test_read_log_probs_keeps_the_entropy_out_of_the_graph_when_asked():
 def test_response_and_full_sequence_read_outs_agree_on_the_response_tokens():
     # one read-out family: the same HF model read through both layouts gives the same numbers
     pytest.importorskip("transformers")
-    from ppo_objectives.llm.readouts import CausalLMCritic, CausalLMTokenLogProbs
+    from ppo_objectives.llm.chat import CausalLMCritic, CausalLMTokenLogProbs
 
     adapter = _tiny_llama()
     P, R = 3, 4

@@ -10,15 +10,11 @@ from tensordict import TensorDict
 from torchrl.collectors import Collector
 
 from ppo_objectives.functional import response_log_probs, response_log_probs_from_hidden
+from ppo_objectives.llm.chat import CausalLMTokenLogProbs
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.policy import NextTokenLogits, make_actor, sample_with_kv_cache
-from ppo_objectives.llm.readouts import (
-    CausalLMTokenLogProbs,
-    ResponseLogProbs,
-    frozen_reference,
-    make_actor_critic,
-)
+from ppo_objectives.llm.readouts import ResponseLogProbs, frozen_reference, make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.rollout import rollout_batch

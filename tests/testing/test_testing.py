@@ -404,10 +404,11 @@ def test_generator(ppo_generator):
 '''
 
 
-def test_the_pytest_plugin_gives_fixtures_without_imports(pytester):
+def test_the_opt_in_pytest_plugin_gives_fixtures_without_imports(pytester):
     pytester.makepyfile(test_user=USER_TEST)
     quiet = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # hypothesis' plugin costs a second a run
+    result = pytester.runpytest(*quiet, "-k", "generator")
+    result.assert_outcomes(errors=1)  # not turned on: another project's pytest session never sees the fixtures
+    pytester.makeconftest('pytest_plugins = ["ppo_objectives.testing.pytest_plugin"]')
     result = pytester.runpytest(*quiet)
     result.assert_outcomes(passed=2 + len(KINDS) - 1)  # every kind but all_valid
-    result = pytester.runpytest(*quiet, "-p", "no:ppo_objectives", "-k", "generator")
-    result.assert_outcomes(errors=1)  # the fixtures come from the plugin, nothing else

@@ -1,7 +1,7 @@
 """The training job's command-line flags for the job tests, written once.
 
 The test files import them as ``from _flags import SMALL`` (pytest puts ``tests/train`` on ``sys.path``, as
-for ``from test_train import _pieces``). A test that needs other values extends a list: argparse keeps the
+for ``from test_loop import _pieces``). A test that needs other values extends a list: argparse keeps the
 last value of a flag given twice, so ``[*SMALL, "--num-envs", "8"]`` runs 8 rows.
 """
 

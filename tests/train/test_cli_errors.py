@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 
 import pytest
 from _flags import SHORT
 
 from ppo_objectives import train as T
+from ppo_objectives.pretrained import main as export_main
 from ppo_objectives.train import pretrained as PT
 from ppo_objectives.train.cli import _summary, flag_message
 from ppo_objectives.train.digit import DigitTask
@@ -130,7 +132,7 @@ def test_a_hub_id_is_named_and_the_named_converter_exists(capsys, files):
     assert f"--model {HUB_ID} looks like a Hugging Face Hub id" in line
     assert "nothing is downloaded at run time" in line and PT.CONVERTER in line
     with pytest.raises(SystemExit):  # the converter the message names takes those flags
-        PT.main(["--help"])
+        export_main(["--help"])
     help_text = capsys.readouterr().out
     assert "--gguf" in help_text and "--out" in help_text and "smollm2" in PT.SHIPPED_GGUF
     with pytest.raises(FileNotFoundError, match="looks like a Hugging Face Hub id"):
@@ -231,11 +233,20 @@ def test_resume_refuses_edited_input_files_by_name(capsys, files, chat_dir, cli_
         chat_dir, files, "--iterations", "2", "--resume", "--allow-change", "prompts,reward,eval-prompts", *e)))))
 
 
-def test_a_checkpoint_without_input_hashes_resumes_on_its_flags(tmp_path):
-    T.main(["--iterations", "1", "--out", str(tmp_path), *SHORT])
-    saved = json.loads((tmp_path / "run_config.json").read_text())
-    assert saved["config"]["input_sha256"] == {}  # a toy run reads no input file
-    del saved["config"]["input_sha256"]  # as a checkpoint written before the hashes were recorded
-    (tmp_path / "run_config.json").write_text(json.dumps(saved))
-    T.check_launch(T.TrainConfig(**vars(T.build_parser().parse_args(
-        ["--iterations", "2", "--out", str(tmp_path), "--resume", *SHORT]))))
+@pytest.mark.parametrize("module,flag", [("tqdm", "--no-progress"), ("matplotlib", "--no-plot")])
+def test_a_missing_job_package_names_the_extra_and_the_flag(monkeypatch, tmp_path, cli_error, module, flag):
+    monkeypatch.setitem(sys.modules, module, None)  # not importable
+    err = cli_error(["--iterations", "1", "--preset", "pico", "--out", str(tmp_path)])
+    assert f'needs {module}, which is not installed: pip install -e ".[train]"' in err and flag in err
+
+
+def test_a_checkpoint_of_another_version_is_refused_by_name(tmp_path, cli_error):
+    out = tmp_path / "run"
+    T.main(["--iterations", "1", *SHORT, "--out", str(out)])
+    meta = out / "run_config.json"
+    saved = json.loads(meta.read_text())
+    del saved["config"]["temperature"]  # as written by a version without --temperature
+    saved["config"]["loop"] = "job"  # and with a flag this version does not have
+    meta.write_text(json.dumps(saved))
+    err = cli_error(["--iterations", "2", "--resume", *SHORT, "--out", str(out)])
+    assert "written by another version of ppo_objectives" in err and "['loop', 'temperature']" in err

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _flags import SMALL
-from test_train import _pieces
-from test_train_distributed import _params, _rollout
+from test_loop import _pieces
+from test_loop_distributed import _params, _rollout
 
 from ppo_objectives import train as T
 from ppo_objectives.llm.env import TokenLMEnv

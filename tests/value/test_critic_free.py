@@ -1,4 +1,4 @@
-"""Critic-free advantages (ppo_objectives.critic_free): GRPO, Dr. GRPO, RLOO, REINFORCE++.
+"""Critic-free advantages (ppo_objectives.value.critic_free): GRPO, Dr. GRPO, RLOO, REINFORCE++.
 
 Each estimator is checked against a naive loop (Python floats, per group, per row; REINFORCE++'s
 discounted sums are the testing kit's GAE loop), against the formula of verl / TRL / OpenRLHF

@@ -231,3 +231,29 @@ def test_each_iteration_hands_the_freed_host_memory_back(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "release_host_memory", lambda: calls.append(1) or True)
     T.train(T.TrainConfig(iterations=2, warmup_steps=0, num_envs=4, save_every=100, no_progress=True, out=str(tmp_path)))
     assert len(calls) == 2
+
+
+def test_a_callback_stops_the_run_with_a_checkpoint_and_resume_goes_on(tmp_path):
+    seen = []
+
+    def record(row, run):  # receives the logged row and the run it trains
+        seen.append((row["iteration"], type(run.loss_module).__name__, (run.out / "metrics.csv").exists()))
+
+    def stop_at_2(row, run):
+        return row["iteration"] == 2
+
+    out = tmp_path / "run"
+    flags = dict(preset="pico", num_envs=8, warmup_steps=2, no_plot=True, no_progress=True, save_every=100)
+    rows = T.train(T.TrainConfig(iterations=5, out=str(out), **flags), callbacks=[stop_at_2, record])
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert seen == [(1, "TokenPPOLoss", True), (2, "TokenPPOLoss", True)]  # every callback, after the row is logged
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["iteration"] == 2  # saved at the stop
+    more = T.train(T.TrainConfig(iterations=3, out=str(out), resume=True, **flags))
+    assert [r["iteration"] for r in more] == [3]
+
+
+def test_a_callback_that_returns_nothing_lets_the_run_finish(tmp_path):
+    calls = []
+    rows = T.train(T.TrainConfig(iterations=2, preset="pico", num_envs=8, warmup_steps=2, no_plot=True,
+                                 no_progress=True, out=str(tmp_path)), callbacks=[lambda row, run: calls.append(1)])
+    assert len(rows) == 2 and len(calls) == 2

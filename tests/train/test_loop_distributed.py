@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from _flags import SMALL
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from test_train import _pieces
+from test_loop import _pieces
 
 from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss

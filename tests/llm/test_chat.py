@@ -24,7 +24,7 @@ from torchrl.envs.llm import ChatEnv  # noqa: E402
 from torchrl.envs.llm.transforms import RetrieveKL  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
 
-from ppo_objectives.llm_interop import (  # noqa: E402
+from ppo_objectives.llm.chat import (  # noqa: E402
     CausalLMCritic,
     CausalLMTokenLogProbs,
     LLMToTokenBatch,

@@ -13,7 +13,7 @@ from ppo_objectives.train import loggers
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 needs_tensorboard = pytest.mark.skipif(
-    not HAS_TENSORBOARD, reason='tensorboard is not installed (pip install "ppo_objectives[test]")'
+    not HAS_TENSORBOARD, reason='tensorboard is not installed (pip install -e ".[test]")'
 )
 
 
@@ -99,7 +99,7 @@ def test_a_missing_logger_package_is_a_clear_error_before_the_run_starts(tmp_pat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == kind else find_spec(name, *a))
     out = tmp_path / "run"
     err = cli_error(["--iterations", "1", "--out", str(out), "--logger", kind, *SMALL, "--no-plot"])
-    assert re.search(rf'--logger {kind} needs the {kind} package.*"ppo_objectives\[loggers\]"', err)
+    assert re.search(rf'--logger {kind} needs the {kind} package.*"\.\[loggers\]"', err)
     assert not out.exists()  # raised before anything ran
 
 

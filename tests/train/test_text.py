@@ -44,6 +44,12 @@ def _task(tok, examples=None, reward=number_reward, M=6):
 # --------------------------------------------------------------------------- #
 
 
+def test_the_jobs_text_tasks_are_the_built_in_ones_and_jsonl():
+    from ppo_objectives.train.config import TEXT_TASKS  # the --task choices; config imports no task module
+
+    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "jsonl")
+
+
 @pytest.mark.parametrize("name", list(ARITHMETIC_TASKS))
 def test_arithmetic_split_is_disjoint_seeded_and_complete(name):
     lo, hi, n_eval = ARITHMETIC_TASKS[name]
