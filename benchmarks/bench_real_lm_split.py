@@ -6,7 +6,9 @@ difference goes. In one process, alternating iteration by iteration:
 
 * **the job**: built as ``python -m ppo_objectives.train --model DIR --task TASK`` builds it
   (the ``pretrained`` recipe: 32 rows, a value head on the actor's trunk, one pass in two
-  minibatch steps, the approx-KL trust region), running its own iteration (``train.loop._iteration``);
+  minibatch steps, the approx-KL trust region), run by ``train.train`` with a callback that takes the
+  phases of each iteration (the job's own ``rollout_s + reference_s + update_s``) and then runs the plain
+  loop's iteration;
 * **the plain loop**: ``model.generate`` of 8 prompts x 4 samples of the same task at T = 1,
   one forward and backward of the model on them, one AdamW step (``plain_pg_loop.plain_pg_step``),
   on its own copy of the model.
@@ -41,13 +43,12 @@ from plain_pg_loop import plain_pg_step  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
-from ppo_objectives.train import distributed
 from ppo_objectives import train as T
-from ppo_objectives.train import build, loop, update
+from ppo_objectives.train import loop, update
 
 DEFAULT_MODEL = Path("runs/smollm2-135m-instruct")
 ROLLOUT = "rollout (collector: sampling, V_old)"
-OTHER = "rest of the iteration (statistics, KL controller)"
+OTHER = "rest of the iteration (untimed steps inside the rollout, scoring and update)"
 
 
 class PhaseClock:
@@ -115,35 +116,37 @@ def measure(args) -> tuple[list[dict], list[dict]]:
 
 def _measure(args, out: str) -> tuple[list[dict], list[dict]]:
     flags = ["--model", str(args.model), "--task", args.task, "--seed", str(args.seed), "--out", out,
-             "--iterations", str(args.iterations + 1), "--no-progress", "--threads", str(args.threads)]
+             "--iterations", str(args.iterations + 1), "--no-progress", "--threads", str(args.threads),
+             "--save-every", "1000", "--no-plot"]
     cfg = T.TrainConfig(**vars(T.build_parser().parse_args(flags)))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    run = build.build(cfg, distributed.init_distributed(cfg.device))
     plain = AutoModelForCausalLM.from_pretrained(str(args.model), local_files_only=True, dtype=torch.float32)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-5, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     clock = PhaseClock()
-    instrument(run, clock)
     job_rows, plain_rows = [], []
-    for it in range(args.iterations + 1):
-        t0 = time.perf_counter()
-        row = loop._iteration(run, it)
-        elapsed = time.perf_counter() - t0
-        phases = clock.take()
-        phases.pop("check", None)  # its forward is counted under its own name
-        phases[OTHER] = elapsed - sum(phases.values())
-        phases["iteration"] = elapsed
-        phases["response tokens"] = row["response_len"] * row["episodes"]
+
+    def after_each_iteration(row: dict, run) -> None:
+        """The job's callback: the phases of the iteration just run, then one iteration of the plain loop."""
+        it = int(row["iteration"]) - 1
+        if it == 0:  # the warm-up: the clock goes on the job's phases from the next iteration on
+            instrument(run, clock)
+        else:
+            phases = clock.take()
+            phases.pop("check", None)  # its forward is counted under its own name
+            elapsed = row["rollout_s"] + row["reference_s"] + row["update_s"]  # the job's own clock of the iteration
+            phases[OTHER] = elapsed - sum(v for k, v in phases.items() if k != "host memory trim")
+            phases["iteration"] = elapsed
+            phases["response tokens"] = row["response_len"] * row["episodes"]
+            job_rows.append(phases)
         step = plain_pg_step(plain, opt, run.task, gen)
         done = dict(generate=step["generate_s"], update=step["update_s"],
                     iteration=step["generate_s"] + step["update_s"], **{"response tokens": step["response_tokens"]})
-        print(f"iteration {it}: job {phases['iteration']:.1f} s, plain {done['iteration']:.1f} s"
-              + (" (warm-up, not counted)" if it == 0 else ""), file=sys.stderr, flush=True)
+        print(f"iteration {it}: job {row['rollout_s'] + row['reference_s'] + row['update_s']:.1f} s, plain "
+              f"{done['iteration']:.1f} s" + (" (warm-up, not counted)" if it == 0 else ""), file=sys.stderr, flush=True)
         if it > 0:
-            job_rows.append(phases)
             plain_rows.append(done)
-    run.collector.shutdown()
+
+    T.train(cfg, callbacks=[after_each_iteration])
     return job_rows, plain_rows
 
 
