@@ -100,35 +100,36 @@ def time_last(x: Tensor, name: str, shape: torch.Size, ref_name: str) -> Tensor:
 _STEP_FLAGS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 
 
-def step_shape(x: Tensor, td: TensorDictBase, batch_dims: int | None = None) -> tuple[torch.Size, bool]:
-    """``[*B, T]`` of a per-token entry ``x`` of ``td``, and whether ``x`` carries TorchRL's trailing ``1``.
+def step_shape(x: Tensor, batch_dims: int, td: TensorDictBase | None = None) -> tuple[torch.Size, bool]:
+    """``[*B, T]`` of a per-token entry ``x``, and whether ``x`` carries TorchRL's trailing ``1``.
 
-    Two layouts give an entry one more dim than the TensorDict has batch dims:
+    Two layouts give an entry one more dim than ``batch_dims``:
 
-    - TorchRL's per-step layout: ``td`` is ``[*N, T]`` (time among the batch dims),
-      entries ``[*N, T, 1]``;
-    - the response layout: ``td`` is ``[B]`` (one row per response), entries ``[B, R]``.
+    - TorchRL's per-step layout: ``[*N, T]`` batch dims (time among them), entries ``[*N, T, 1]``;
+    - the response layout: a ``[B]`` TensorDict (one row per response), entries ``[B, R]``.
 
-    They differ only when the last dim is 1. With two or more batch dims the entry is
-    per-step; with one batch dim it is per-step only when ``td`` carries TorchRL's
-    ``("next", "done" | "terminated" | "truncated")`` flags (a collector's trajectory
-    ``[T]``), else it is a response layout with ``R = 1`` (one-token answers), whose
-    token axis is kept: the rows are never read as the steps of one episode.
-    ``batch_dims`` (default ``td.batch_dims``) overrides the TensorDict's.
+    They differ only when the last dim is 1. ``td`` is the TensorDict whose own batch dims
+    these are: with two or more the entry is per-step; with one it is per-step only when ``td``
+    carries TorchRL's ``("next", "done" | "terminated" | "truncated")`` flags (a collector's
+    trajectory ``[T]``), else it is a response layout with ``R = 1`` (one-token answers), whose
+    token axis is kept: the rows are never read as the steps of one episode. Without ``td``
+    (the caller reads one response's steps, ``batch_dims`` being its time axis) a trailing 1 is
+    per-step.
 
     Example:
         >>> import torch
         >>> from tensordict import TensorDict
         >>> one_token = TensorDict({"sample_log_prob": torch.zeros(4, 1)}, [4])   # 4 answers of 1 token
-        >>> step_shape(one_token["sample_log_prob"], one_token)
+        >>> step_shape(one_token["sample_log_prob"], 1, one_token)
         (torch.Size([4, 1]), False)
         >>> trajectory = one_token.clone().set(("next", "done"), torch.zeros(4, 1, dtype=torch.bool))
-        >>> step_shape(trajectory["sample_log_prob"], trajectory)     # one trajectory of 4 steps
+        >>> step_shape(trajectory["sample_log_prob"], 1, trajectory)     # one trajectory of 4 steps
+        (torch.Size([4]), True)
+        >>> step_shape(torch.zeros(4, 1), 1)                               # one response's 4 steps
         (torch.Size([4]), True)
     """
-    batch_dims = td.batch_dims if batch_dims is None else batch_dims
     trailing_one = x.ndim == batch_dims + 1 and x.shape[-1] == 1
-    if trailing_one and batch_dims == 1:
+    if trailing_one and batch_dims == 1 and td is not None:
         keys = td.keys(include_nested=True)
         trailing_one = any(flag in keys for flag in _STEP_FLAGS)
     return (x.shape[:-1] if trailing_one else x.shape), trailing_one

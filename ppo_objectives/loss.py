@@ -532,7 +532,7 @@ class TokenPPOLoss(LossModule):
         k = self.tensor_keys
         fix = "store the policy's per-token log-probs at rollout time (or rename the key with set_keys(sample_log_prob=...))"
         sample_log_prob = TD.require(td, k.sample_log_prob, module="TokenPPOLoss", what="the sampling log-probs", fix=fix)
-        shape, _ = TD.step_shape(sample_log_prob, td)
+        shape, _ = TD.step_shape(sample_log_prob, td.batch_dims, td)
         ref = f"sample_log_prob {k.sample_log_prob!r}"
 
         def get(key, name, what, fix="", required=True):

@@ -355,16 +355,16 @@ class KLPenaltyTransform(Transform):
         fix = "store the policy's per-token log-probs at rollout time, or name the entry with set_keys(log_prob=...)"
         return TD.require(tensordict, self.tensor_keys.log_prob, module="KLPenaltyTransform", what="the sampling log-probs", fix=fix)
 
-    def _penalize(self, logp: Tensor, ref: Tensor, mask: Tensor | None, reward: Tensor | None, td: TensorDictBase,
-                  batch_dims: int):
-        """One dense batch of ``td``: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or
-        None)``.
+    def _penalize(self, logp: Tensor, ref: Tensor, mask: Tensor | None, reward: Tensor | None, batch_dims: int,
+                  td: TensorDictBase | None = None):
+        """One dense batch: ``logp`` defines ``[*B, R]``; returns ``(kl [*B, R], ref, mask, new reward or None)``.
 
         Layout only: the arithmetic is :func:`~ppo_objectives.functional.kl_penalized_rewards`. A
-        trailing singleton is TorchRL's per-step layout as :func:`ppo_objectives._td.step_shape` tells it.
+        trailing singleton is TorchRL's per-step layout as :func:`ppo_objectives._td.step_shape` tells it:
+        from the flags of ``td`` when the batch dims are its own, per-step for one response's row (``td=None``).
         """
         k = self.tensor_keys
-        shape, _ = TD.step_shape(logp, td, batch_dims) if logp.ndim >= 2 else (logp.shape, False)
+        shape, _ = TD.step_shape(logp, batch_dims, td) if logp.ndim >= 2 else (logp.shape, False)
         if reward is not None and reward.shape == logp.shape + (1,):
             shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
@@ -419,11 +419,13 @@ class KLPenaltyTransform(Transform):
 
     # ------------------------------------------------------------------ offline path
 
-    def _penalize_one(self, td: TensorDictBase, logp: Tensor, batch_dims: int) -> tuple[Tensor, Tensor]:
-        """Penalise one dense TensorDict in place; returns ``(kl, mask)``."""
+    def _penalize_one(self, td: TensorDictBase, logp: Tensor, row: bool = False) -> tuple[Tensor, Tensor]:
+        """Penalise one dense TensorDict in place (``row``: one response of a ragged stack, time on its first
+        dim); returns ``(kl, mask)``."""
         k = self.tensor_keys
+        batch_dims, layout = (1, None) if row else (td.batch_dims, td)  # a row's time axis is its first dim
         kl, ref, m, new_reward = self._penalize(
-            logp, self._ref_log_prob(td), td.get(k.mask, None), self._get_reward(td), td, batch_dims
+            logp, self._ref_log_prob(td), td.get(k.mask, None), self._get_reward(td), batch_dims, layout
         )
         td.set(k.kl, kl)
         td.set(k.ref_log_prob, ref.reshape(logp.shape))
@@ -442,13 +444,13 @@ class KLPenaltyTransform(Transform):
                 "measure the KL"
             )
         if isinstance(tensordict, LazyStackedTensorDict):  # ragged responses: one at a time
-            kls, masks = zip(*(self._penalize_one(sub, self._log_prob(sub), 1) for sub in tensordict.tensordicts))
+            kls, masks = zip(*(self._penalize_one(sub, self._log_prob(sub), row=True) for sub in tensordict.tensordicts))
             self._record(list(kls), list(masks))
             return tensordict
         logp = self._log_prob(tensordict)
         if logp.is_nested:
             return self._apply_nested(tensordict, logp)
-        kl, m = self._penalize_one(tensordict, logp, tensordict.batch_dims)
+        kl, m = self._penalize_one(tensordict, logp)
         self._record([kl], [m])
         return tensordict
 
@@ -468,7 +470,7 @@ class KLPenaltyTransform(Transform):
         refs = rows(self._ref_log_prob(tensordict))
         masks = rows(tensordict.get(k.mask, None)) or [None] * len(logps)
         rewards = rows(self._get_reward(tensordict)) or [None] * len(logps)
-        out = [self._penalize(lp, refs[i], masks[i], rewards[i], tensordict, 1) for i, lp in enumerate(logps)]
+        out = [self._penalize(lp, refs[i], masks[i], rewards[i], 1) for i, lp in enumerate(logps)]
         kls, out_ref, out_m, out_rew = (list(x) for x in zip(*out))
         self._record(kls, out_m)
         with warnings.catch_warnings():

@@ -257,6 +257,17 @@ def test_lazy_stacked_ragged_batch_is_penalised_per_response():
     torch.testing.assert_close(t.last_kl, flat.mean())
 
 
+def test_lazy_stacked_rows_with_a_trailing_one_are_one_response_each():
+    # each row holds one response's per-token entries [n, 1] (TorchRL's trailing 1): its KL sums over its n tokens
+    subs = []
+    for sub in _ragged(seed=2):
+        subs.append(sub.apply(lambda x: x.unsqueeze(-1) if x.ndim == 1 else x))
+    t = KLPenaltyTransform(coeff=0.1)
+    t(LazyStackedTensorDict.lazy_stack([s.clone() for s in subs]))
+    per_response = [float((s["sample_log_prob"] - s["ref_log_prob"]).sum()) for s in subs]  # k1 summed per row
+    assert float(t.last_seq_kl) == pytest.approx(sum(per_response) / len(subs), rel=1e-6)
+
+
 def test_nested_tensor_batch_is_penalised_per_response():
     subs = _ragged(seed=1)
     with warnings.catch_warnings():

@@ -383,7 +383,7 @@ class MaskedGAE(ValueEstimatorBase):
                             fix="the environment (or a reward transform) writes it under 'next'", collector_fix=False)
         fix = "no value_network was given: store the critic's values at rollout time or pass value_network="
         value = self._values(tensordict, keys.value, params, next_step=False, fix=fix)
-        shape, trailing_one = TD.step_shape(value, tensordict)
+        shape, trailing_one = TD.step_shape(value, tensordict.batch_dims, tensordict)
         ref = f"value {keys.value!r}"
         r = TD.time_last(reward, f"reward {('next', keys.reward)!r}", shape, ref)
         v = TD.time_last(value, ref, shape, ref)
