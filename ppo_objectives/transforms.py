@@ -365,8 +365,6 @@ class KLPenaltyTransform(Transform):
         """
         k = self.tensor_keys
         shape, _ = TD.step_shape(logp, batch_dims, td) if logp.ndim >= 2 else (logp.shape, False)
-        if reward is not None and reward.shape == logp.shape + (1,):
-            shape = logp.shape  # [*B, 1] log-probs with a [*B, 1, 1] reward: responses of one token
         if len(shape) < 1:
             raise ValueError(f"KLPenaltyTransform: {k.log_prob!r} has shape {tuple(logp.shape)}; it needs a token axis [*B, R]")
         ref_name = f"log-probs {k.log_prob!r}"
