@@ -82,6 +82,12 @@ def check_temperature(temperature: object, where: str = "") -> float:
     return float(temperature)
 
 
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature``: the logits of the distribution sampled at ``temperature`` (``logits`` itself at 1,
+    so that no division changes a bit)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 # --------------------------------------------------------------------------- #
 # A plain batched sampling loop (the reference the env + collector is timed against)
 # --------------------------------------------------------------------------- #
@@ -131,7 +137,7 @@ def sample_with_kv_cache(
     alive = torch.ones(B, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
     for j in range(max_new_tokens):
-        logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+        logp_all = torch.log_softmax(_tempered(logits, temperature), dim=-1)
         if greedy:
             tok = logp_all.argmax(-1)
         else:
@@ -212,14 +218,10 @@ class NextTokenLogits(nn.Module):
     def _outputs(self, hidden: Tensor):
         """``logits [N, V]`` of the newest tokens' hidden states ``[N, C]``; with a value head also their
         values ``[N]`` (float32): the value of the state each next token is sampled in."""
-        logits = self._tempered(_head_logits(self.model, hidden))
+        logits = _tempered(_head_logits(self.model, hidden), self.temperature)
         if self.value_head is None:
             return logits
         return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-
-    def _tempered(self, logits: Tensor) -> Tensor:
-        """``logits / temperature`` (``logits`` itself at temperature 1)."""
-        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def reset_cache(self) -> None:
         """Forget the cache (it is rebuilt on the next call)."""
@@ -268,7 +270,7 @@ class NextTokenLogits(nn.Module):
         hidden = self.model(tokens, attention_mask, compute_logits=False).hidden  # [N, S, C]
         h = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
         if self.value_head is None:
-            return self._tempered(_head_logits(self.model, h)).reshape(*lead, -1)
+            return _tempered(_head_logits(self.model, h), self.temperature).reshape(*lead, -1)
         logits, value = self._outputs(h)
         return logits.reshape(*lead, -1), value.reshape(lead)
 
