@@ -29,8 +29,10 @@ def _check_job_packages(cfg: TrainConfig) -> None:
     the flag that runs without it."""
     import importlib.util
 
-    for module, flag, what in (("tqdm", "--no-progress", "the progress bar"), ("matplotlib", "--no-plot", "training.png")):
-        if getattr(cfg, flag[2:].replace("-", "_")):
+    needed = (("tqdm", not cfg.no_progress, "--no-progress", "the progress bar"),
+              ("matplotlib", not cfg.no_plot, "--no-plot", "training.png"))
+    for module, used, flag, what in needed:
+        if not used:
             continue
         try:
             found = importlib.util.find_spec(module) is not None
