@@ -68,7 +68,16 @@ __all__ = ["NextTokenLogits", "make_actor", "sample_with_kv_cache"]
 
 
 def check_temperature(temperature: object, where: str = "") -> float:
-    """``temperature`` as a float, or an error naming it and the fix (``where`` prefixes the message)."""
+    """``temperature`` as a float, or an error naming it and the fix (``where`` prefixes the message).
+
+    Example:
+        >>> check_temperature(1)
+        1.0
+        >>> check_temperature(0, "make_actor: ")
+        Traceback (most recent call last):
+        ...
+        ValueError: make_actor: temperature=0 must be a finite number > 0: the logits are divided by it (1.0 ...
+    """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"{where}temperature must be a float > 0 (the sampling temperature), got "
                         f"{type(temperature).__name__}")

@@ -43,7 +43,16 @@ def flag_message(message: str) -> str:
     """``message`` with the flag named: a check of :class:`TrainConfig` or of a module it configures reads
     ``TrainConfig lr=0.0 must be ...`` or ``gamma=1.5 is outside ...``; on the command line that is ``--lr 0.0
     must be ...``, ``--gamma 1.5 is outside ...`` (the flags are those arguments' names). Any other message is
-    returned as it is."""
+    returned as it is.
+
+    Example:
+        >>> flag_message("TrainConfig num_envs=0 must be an int >= 1")
+        '--num-envs 0 must be an int >= 1'
+        >>> flag_message("num_digits=9 is too many")
+        '--digits 9 is too many'
+        >>> flag_message("no such file x.jsonl")
+        'no such file x.jsonl'
+    """
     match = re.match(r"(?:TrainConfig )?(\w+)=(\S+) (.*)", message, re.DOTALL)
     names = {f.name for f in fields(TrainConfig)}
     name = _FLAG_OF.get(match[1], match[1]) if match else None
