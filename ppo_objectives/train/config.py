@@ -347,8 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Token-level PPO with a critic (TorchRL collector -> KLPenaltyTransform -> MaskedGAE -> "
         "TokenPPOLoss), on a toy digit task or on a pretrained Hugging Face model's text task (--model DIR --task "
         "chat-add1). Data-parallel: torchrun --nproc_per_node N -m ppo_objectives.train ... (gloo on CPU, nccl "
-        "with --device cuda). Metrics are explained in the module docstring: python -c 'import "
-        "ppo_objectives.train as t; help(t)'",
+        "with --device cuda). docs/job.md explains every metrics.csv column, the checkpoint and callbacks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     groups = {name: p.add_argument_group(name, about) for name, about in _HELP_GROUPS.items()}

@@ -1,6 +1,7 @@
 """``--logger``: the training job's metrics through ``torchrl.record.loggers`` (CSV, TensorBoard)."""
 
 import importlib.util
+import pathlib
 import re
 import shutil
 
@@ -103,8 +104,18 @@ def test_a_missing_logger_package_is_a_clear_error_before_the_run_starts(tmp_pat
     assert not out.exists()  # raised before anything ran
 
 
+JOB_MANUAL = pathlib.Path(__file__).parents[2] / "docs" / "job.md"
+
+
+def test_every_logged_metric_is_explained_in_the_job_manual():
+    manual = JOB_MANUAL.read_text()
+    explained = set(re.findall(r"^- ((?:`\w+`(?: / )?)+)", manual, flags=re.M))
+    names = {n for line in explained for n in re.findall(r"`(\w+)`", line)}
+    assert set(T.METRICS) <= names, sorted(set(T.METRICS) - names)
+
+
 def test_logger_flag_is_documented_and_checked():
-    assert "--logger" in T.build_parser().format_help() and "--logger" in T.__doc__
+    assert "--logger" in T.build_parser().format_help() and "--logger" in JOB_MANUAL.read_text()
     with pytest.raises(ValueError, match="TrainConfig logger='bogus' must be one of"):
         T.TrainConfig(logger="bogus")
     with pytest.raises(SystemExit):
