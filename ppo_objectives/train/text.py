@@ -101,7 +101,7 @@ class TextExample:
 
 
 #: The built-in arithmetic tasks: ``name -> (smallest operand, largest operand, held-out problems)``.
-ARITHMETIC_TASKS = {"chat-add1": (0, 9, 30), "chat-add2": (10, 99, 40)}
+ARITHMETIC_TASKS = {"chat-add1": (0, 9, 30), "chat-add2": (10, 99, 200)}
 
 
 def arithmetic_examples(name: str, split: str, *, split_seed: int = 0) -> list[TextExample]:
@@ -109,7 +109,7 @@ def arithmetic_examples(name: str, split: str, *, split_seed: int = 0) -> list[T
 
     Every ordered pair of operands in the task's range is one problem (``chat-add1``: ``a, b``
     in 0..9, 100 problems; ``chat-add2``: 10..99, 8100). A permutation seeded by ``split_seed``
-    puts the first ``n_eval`` problems in the held-out split (30 and 40) and the rest in the
+    puts the first ``n_eval`` problems in the held-out split (30 and 200) and the rest in the
     training split, so the two never share a problem, whatever the run's seed.
 
     Args:
