@@ -174,16 +174,16 @@ _AUTOCAST_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> au
 _REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> the frozen reference's weights
 
 
-def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictModule, ref: TensorDictModule,
+def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictModule, ref: TensorDictModule | None,
                  device: torch.device, process_group) -> tuple:
-    """The TorchRL modules of the iteration: KL controller, ``KLPenaltyTransform``, ``MaskedGAE``,
-    ``TokenPPOLoss`` (calling ``actor`` and ``critic``, DDP-wrapped under torchrun)."""
+    """The TorchRL modules of the iteration: KL controller, ``KLPenaltyTransform`` (``None`` without a reference),
+    ``MaskedGAE``, ``TokenPPOLoss`` (calling ``actor`` and ``critic``, DDP-wrapped under torchrun)."""
     controller = (
         AdaptiveKLController(cfg.kl_reward_coeff, target=cfg.kl_target, horizon=10_000)
         if cfg.adaptive_kl
         else FixedKLController(cfg.kl_reward_coeff)
     ).to(device)
-    kl_transform = KLPenaltyTransform(ref, coeff=controller, estimator="k1")
+    kl_transform = None if ref is None else KLPenaltyTransform(ref, coeff=controller, estimator="k1")
     gae = _advantage_estimator(cfg, device, process_group)
     loss_module = TokenPPOLoss(
         actor,
@@ -226,10 +226,10 @@ class Run:
     task: object  # a DigitTask or a TextTask
     env: TokenLMEnv
     ac: ActorCritic
-    ref: TensorDictModule
+    ref: TensorDictModule | None  # None when no KL term needs it (TrainConfig.uses_reference)
     ddp_wrappers: list
     controller: object
-    kl_transform: KLPenaltyTransform
+    kl_transform: KLPenaltyTransform | None
     gae: MaskedGAE
     loss_module: TokenPPOLoss
     optimizers: tuple
@@ -310,10 +310,7 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
     critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
                            entropy_grad=cfg.entropy_coeff > 0, temperature=cfg.temperature)  # policy and actor at T
-    ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
-    ref = frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
-                           copy_model=ref_lm is None,  # made before any sharding: the reference stays whole
-                           temperature=cfg.temperature)  # the KL penalty compares both at --temperature
+    ref = _reference(cfg, task, ac, P, device)
     if cfg.fsdp:
         actor, critic, ddp_wrappers = shard_fsdp(ac, d, device)
     elif d.group is not None:
@@ -323,10 +320,21 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
     return ac, ref, actor, critic, ddp_wrappers
 
 
-def _stateful(ac: ActorCritic, ref: TensorDictModule, optimizers, controller, guard: CollapseGuard) -> dict:
+def _reference(cfg: TrainConfig, task, ac: ActorCritic, P: int, device) -> TensorDictModule | None:
+    """The frozen reference (the actor as it starts), or ``None`` when no KL term reads it."""
+    if not cfg.uses_reference:
+        return None
+    ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
+    return frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
+                            copy_model=ref_lm is None,  # made before any sharding: the reference stays whole
+                            temperature=cfg.temperature)  # the KL penalty compares both at --temperature
+
+
+def _stateful(ac: ActorCritic, ref: TensorDictModule | None, optimizers, controller, guard: CollapseGuard) -> dict:
     """The objects whose ``state_dict()`` a checkpoint holds, under their names in it (loaded in this order)."""
+    reference = {} if ref is None else dict(reference=ref.module.model)
     return dict(actor_model=ac.actor_model, critic_model=ac.critic_model, critic_head=ac.critic_head,
-                reference=ref.module.model, actor_opt=optimizers[0], critic_opt=optimizers[1],
+                **reference, actor_opt=optimizers[0], critic_opt=optimizers[1],
                 kl_controller=controller, collapse_guard=guard)
 
 

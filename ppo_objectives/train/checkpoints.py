@@ -119,6 +119,10 @@ def load_checkpoint(path: Path, d: Dist, device: torch.device) -> dict | None:
 
 def restore_state(ckpt: dict, stateful: Mapping[str, object]) -> int:
     """Load every entry of ``stateful`` from ``ckpt`` (in order); returns the checkpoint's iteration."""
+    missing = [name for name in stateful if name not in ckpt]
+    if missing:  # e.g. a KL term added to a run that had none: it saved no reference
+        raise ValueError(f"--resume: the checkpoint holds no {missing}, which this run needs (a run without a KL term "
+                         "builds and saves no reference); resume with the flags it was written with")
     for name, obj in stateful.items():
         obj.load_state_dict(ckpt[name])
     return int(ckpt["iteration"])

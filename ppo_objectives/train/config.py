@@ -46,10 +46,11 @@ def _f(default, help, **kw):
 RECIPES: dict[str, dict] = {
     "toy": dict(iterations=300, num_envs=64, warmup_steps=150, lr=3e-4, critic_lr=1e-3, ppo_epochs=4, minibatches=4,
                 kl_reward_coeff=0.02, save_every=25, threads=1, max_new_tokens=None, eval_every=0, critic_warmup=0,
-                stall_patience=100, shared_trunk=False, average_gae=True, lmbda=0.95),
+                stall_patience=100, shared_trunk=False, average_gae=True, lmbda=0.95, rollback=True),
     "pretrained": dict(iterations=30, num_envs=32, warmup_steps=0, lr=2e-5, critic_lr=1e-3, ppo_epochs=1,
                        minibatches=2, kl_reward_coeff=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
-                       critic_warmup=0, stall_patience=15, shared_trunk=True, average_gae=False, lmbda=1.0),
+                       critic_warmup=0, stall_patience=15, shared_trunk=True, average_gae=False, lmbda=1.0,
+                       rollback=False),
 }  # fmt: skip
 
 
@@ -177,10 +178,12 @@ class TrainConfig:
                             "/ rloo, 1 otherwise")
     aggregation: str = _f(None, "the loss's aggregation [default: token-mean; dr_grpo: token-sum-norm; grpo: "
                                   "seq-mean-token-mean]", type_=str)
-    early_stop_kl: float = _f(0.25, "approx-KL trust region: the PPO epochs stop when kl_approx exceeds it, and "
-                                    "the step that took it there is undone (MiniMind stops at 0.25); 0 = off")
-    no_rollback: bool = _f(False, "keep the step that took kl_approx past --early-stop-kl (MiniMind's early stop) "
-                                  "instead of undoing it")
+    early_stop_kl: float = _f(0.25, "approx-KL trust region: the PPO epochs stop when kl_approx, measured by each "
+                                    "minibatch's own forward, exceeds it (MiniMind stops at 0.25); 0 = off")
+    rollback: bool = _rf("rollback", "pull back the step that took kl_approx past --early-stop-kl (1/2, 1/4, 1/8 of "
+                                     "it, else undone), at the price of a snapshot before every step and a forward "
+                                     "after the last one; --no-rollback keeps that step, as MiniMind's early stop "
+                                     "does")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
     time_limit: float = _f(0.0, "stop after the iteration in which the training time (rollouts and updates; "
                                 "evaluations and checkpoints excluded) passes this many minutes, with a final "
@@ -200,6 +203,12 @@ class TrainConfig:
     def critic_free(self) -> bool:
         """An ``--advantage`` without a critic (GRPO, Dr. GRPO, RLOO, REINFORCE++)."""
         return self.advantage != "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL to the frozen reference is in the reward, in the loss or in the adaptive controller. Without one the
+        run builds no reference (no copy of the model, no reference forward) and logs no ``kl_ref`` / ``seq_kl``."""
+        return self.kl_reward_coeff > 0 or self.kl_to_ref_coeff > 0 or self.adaptive_kl
 
     @property
     def remote_rollouts(self) -> bool:
@@ -387,7 +396,7 @@ _GROUP_MEMBERS = {
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
             "aggregation", "early_stop_kl",
-            "no_rollback", "max_grad_norm"),
+            "rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),

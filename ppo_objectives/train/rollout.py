@@ -105,34 +105,39 @@ def check_policy_version(batch: TensorDictBase, expected: int) -> None:
                            "not reach every worker, so the batch is not on-policy")
 
 
-def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTransform,
+def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTransform | None,
                 gae: MaskedGAE) -> TensorDictBase:
     """The second half of :func:`rollout_batch`: ``V_old`` (unless the env policy wrote it), the reference
-    log-probs and the KL penalty, then GAE; returns ``llm`` with these entries."""
+    log-probs and the KL penalty (none when ``kl_transform`` is ``None``), then GAE; returns ``llm`` with these
+    entries."""
     with torch.no_grad():
         critic_free = getattr(gae, "critic_free", False)
         if "state_value" not in llm.keys() and not critic_free:  # a critic on the actor's trunk: the policy wrote it
             ac.critic(llm)  # V_old: "state_value" [B, R]
-        kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
+        if kl_transform is not None:  # None: no KL term, no reference
+            kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
         if critic_free:  # a group estimator reads each response's (penalised) return
             llm.set(RETURN_KEY, F.masked_sum(llm.get(("next", "reward")), llm.get("mask"), dim=-1))
         gae(llm)  # "advantage" (whitened over valid tokens), "value_target" = raw advantage + V_old
     return llm
 
 
-def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> dict:
-    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun)."""
+def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform | None, pg) -> dict:
+    """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun); ``kl_ref`` and
+    ``seq_kl`` are nan without a ``kl_transform`` (no reference)."""
     score, B = llm["score"], llm.batch_size[0]
     n_tok = llm["mask"].sum()
+    nan = torch.tensor(float("nan"), device=score.device)
+    last_kl, last_seq_kl = (nan, nan) if kl_transform is None else (kl_transform.last_kl, kl_transform.last_seq_kl)
     if pg is None:
         return dict(
             reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
-            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(kl_transform.last_kl),
-            seq_kl=float(kl_transform.last_seq_kl), seq_kl_t=kl_transform.last_seq_kl, tokens=int(n_tok),
+            response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(last_kl),
+            seq_kl=float(last_seq_kl), seq_kl_t=last_seq_kl, tokens=int(n_tok),
         )  # fmt: skip
     v = torch.stack([
         score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
-        kl_transform.last_kl.to(score.device), kl_transform.last_seq_kl.to(score.device) * B,
+        last_kl.to(score.device), last_seq_kl.to(score.device) * B,
     ]).to(torch.float64)  # fmt: skip
     total = all_reduce(v, pg).tolist()
     episodes = max(total[3], 1.0)
@@ -140,6 +145,6 @@ def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform, pg) -> 
     return dict(
         reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
         episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
-        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=kl_transform.last_seq_kl.device),
+        seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=last_seq_kl.device),
         tokens=int(total[2]),
     )  # fmt: skip

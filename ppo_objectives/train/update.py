@@ -31,7 +31,7 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
 
     Every minibatch's forward measures ``kl_approx`` (the k2 KL of the current policy to the
     rollout policy) before its step. Once it exceeds ``early_stop_kl`` the update ends, and
-    (unless ``cfg.no_rollback``) the step that took it there is **pulled back**, as TRPO's
+    (with ``cfg.rollback``) the step that took it there is **pulled back**, as TRPO's
     backtracking line search does: the parameters are moved back to 1/2, 1/4, then 1/8 of
     that step, each measured on the same minibatch, and the first fraction inside the limit
     is kept; when none is, the step is undone (parameters and optimizer states as before
@@ -100,7 +100,7 @@ class TrustRegionUpdate:
         self.actor_params, self.critic_params = ac.actor_parameters(), ac.critic_parameters()
         self.all_params = list({id(p): p for p in self.actor_params + self.critic_params}.values())
         self.clipped_critic_params = self.critic_params if not ac.shared_trunk else self.all_params
-        self.rollback = bool(cfg.early_stop_kl) and not cfg.no_rollback and not critic_only
+        self.rollback = bool(cfg.early_stop_kl) and cfg.rollback and not critic_only
         self.sums: dict[str, float] = {}
         self.steps, self.grad_norm, self.skipped, self.stopped = 0, 0.0, 0, False  # steps kept, their summed norm
         self.kl_max, self.kl_token_max = 0.0, 0.0  # the largest kl_approx and per-token value measured
@@ -194,7 +194,7 @@ class TrustRegionUpdate:
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def stop(self, measured_on: TensorDictBase) -> None:
-        """The trust region is crossed: no more steps, and the last one is pulled back (unless ``no_rollback``)."""
+        """The trust region is crossed: no more steps, and the last one is pulled back (with ``rollback``)."""
         self.stopped = True
         if self.rollback and self.snapshot is not None:
             self.kept = self.pull_back_last_step(measured_on)

@@ -1,5 +1,6 @@
 """The end-to-end loop: collectors, one PPO update, early stop, checkpoints and the CLI."""
 
+import math
 import subprocess
 import sys
 
@@ -103,7 +104,7 @@ def test_approx_kl_early_stop_really_stops_the_optimizer_steps_and_undoes_the_cr
 
 
 def test_without_rollback_the_crossing_step_is_kept_as_minimind_does():
-    cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12, no_rollback=True)
+    cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=4, early_stop_kl=1e-12, rollback=False)
     before = _params(ac)
     stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
     assert stats["updates"] == 1 and stats["early_stopped"] == 1 and stats["rolled_back"] == 0
@@ -125,26 +126,26 @@ def test_rollback_keeps_the_kl_of_the_kept_policy_under_the_limit_where_minimind
     # a reproducer of the overshoot: lr 0.05 makes single AdamW steps far larger than the trust region
     limit = 0.05
     results = {}
-    for no_rollback in (False, True):
-        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=1, early_stop_kl=limit, no_rollback=no_rollback)
+    for rollback in (True, False):
+        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=4, minibatches=1, early_stop_kl=limit, rollback=rollback)
         for opt in opts:
             for g in opt.param_groups:
                 g["lr"] = 0.05
         stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
         with torch.no_grad():
             out = loss(llm)  # one minibatch = the whole batch: the same tokens the check measured
-        results[no_rollback] = (float(out["kl_approx"]), stats)
-    kept_kl, stats = results[False]
+        results[rollback] = (float(out["kl_approx"]), stats)
+    kept_kl, stats = results[True]
     assert kept_kl <= limit and stats["rolled_back"] == 1
     assert stats["step_fraction"] in (0.0, 0.125, 0.25, 0.5)  # backtracked, or undone
-    overshoot, stats_mm = results[True]
+    overshoot, stats_mm = results[False]
     assert overshoot > limit and stats_mm["rolled_back"] == 0  # MiniMind's early stop keeps the jump
 
 
 def test_rollback_with_a_limit_that_is_never_reached_changes_nothing():
     runs = []
-    for no_rollback in (False, True):
-        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=2, minibatches=2, early_stop_kl=1e9, no_rollback=no_rollback)
+    for rollback in (True, False):
+        cfg, ac, loss, opts, llm = _rollout(ppo_epochs=2, minibatches=2, early_stop_kl=1e9, rollback=rollback)
         stats = T.ppo_update(llm, loss, ac, opts, cfg, torch.Generator().manual_seed(0))
         runs.append((_params(ac), stats))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -252,3 +253,33 @@ def test_a_callback_that_returns_nothing_lets_the_run_finish(tmp_path):
     rows = T.train(T.TrainConfig(iterations=2, preset="pico", num_envs=8, warmup_steps=2, no_plot=True,
                                  no_progress=True, out=str(tmp_path)), callbacks=[lambda row, run: calls.append(1)])
     assert len(rows) == 2 and len(calls) == 2
+
+
+def test_the_pretrained_recipe_keeps_the_crossing_step_and_the_toy_recipe_pulls_it_back():
+    assert T.TrainConfig().rollback is True
+    assert T.TrainConfig(task="chat-add1", model="m").rollback is False
+    assert T.TrainConfig(task="chat-add1", model="m", rollback=True).rollback is True
+    args = T.build_parser().parse_args(["--task", "chat-add1", "--model", "m", "--rollback"])
+    assert T.TrainConfig(**vars(args)).rollback is True
+
+
+def test_a_run_without_a_kl_term_builds_no_reference_and_logs_no_reference_kl(tmp_path):
+    seen = []
+    cfg = T.TrainConfig(iterations=2, preset="pico", num_envs=8, warmup_steps=3, no_plot=True, no_progress=True,
+                        kl_reward_coeff=0.0, out=str(tmp_path / "run"))
+    assert not cfg.uses_reference
+    rows = T.train(cfg, callbacks=[lambda row, run: seen.append((run.ref, run.kl_transform))])
+    assert seen == [(None, None), (None, None)]
+    assert all(math.isnan(r["kl_ref"]) and math.isnan(r["seq_kl"]) for r in rows)
+    assert all(math.isfinite(r["loss_objective"]) for r in rows)
+    assert "reference" not in torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    again = T.TrainConfig(**{**cfg.__dict__, "iterations": 3, "resume": True, "kl_reward_coeff": 0.02,
+                             "allow_change": "kl_reward_coeff"})
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint holds no \['reference'\]"):
+        T.train(again)
+
+
+@pytest.mark.parametrize("flags", [dict(kl_reward_coeff=0.02), dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.1),
+                                   dict(kl_reward_coeff=0.0, adaptive_kl=True)])
+def test_every_kl_term_keeps_the_reference(flags):
+    assert T.TrainConfig(**flags).uses_reference
