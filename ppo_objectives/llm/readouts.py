@@ -458,12 +458,14 @@ class ActorCritic:
         return self.actor_model is self.critic_model
 
     def actor_parameters(self):
-        return list(self.actor_model.parameters())
+        """The actor's trainable parameters (frozen ones, e.g. the base weights under LoRA adapters, are left out)."""
+        return [p for p in self.actor_model.parameters() if p.requires_grad]
 
     def critic_parameters(self):
-        """Critic-only parameters (just the head when the trunk is shared)."""
+        """The critic's own trainable parameters (just the head when the trunk is shared)."""
         own = list(self.critic_head.parameters())
-        return own if self.shared_trunk else list(self.critic_model.parameters()) + own
+        trunk = [] if self.shared_trunk else list(self.critic_model.parameters())
+        return [p for p in trunk + own if p.requires_grad]
 
 
 def make_actor_critic(

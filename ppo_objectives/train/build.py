@@ -18,6 +18,7 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from ppo_objectives.llm.env import TokenLMEnv
+from ppo_objectives.llm.lora import AdaptersOff, add_lora
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.readouts import ActorCritic, frozen_reference, make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
@@ -137,7 +138,8 @@ def _policy_lm(cfg: TrainConfig, task, device) -> torch.nn.Module:
     ``--dtype bfloat16`` its forward runs under autocast (``autocast_dtype``; the weights stay float32)."""
     autocast = _AUTOCAST_DTYPE[cfg.dtype]
     if cfg.recipe == "pretrained":
-        return load_causal_lm(cfg.model, autocast_dtype=autocast, grad_checkpointing=cfg.grad_checkpointing).to(device)
+        lm = load_causal_lm(cfg.model, autocast_dtype=autocast, grad_checkpointing=cfg.grad_checkpointing)
+        return (add_lora(lm, cfg.lora_rank) if cfg.lora_rank else lm).to(device)
     if cfg.model:
         return load_policy_model(cfg.model, task, autocast_dtype=autocast, grad_checkpointing=cfg.grad_checkpointing,
                                  token_map=cfg.token_map).to(device)
@@ -321,9 +323,12 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
 
 
 def _reference(cfg: TrainConfig, task, ac: ActorCritic, P: int, device) -> TensorDictModule | None:
-    """The frozen reference (the actor as it starts), or ``None`` when no KL term reads it."""
+    """The frozen reference (the actor as it starts), or ``None`` when no KL term reads it. With ``--lora-rank`` it
+    is the actor's own model with its adapters off: the base weights never move, so no copy is needed."""
     if not cfg.uses_reference:
         return None
+    if cfg.lora_rank:
+        return frozen_reference(AdaptersOff(ac.actor_model), P, copy_model=False, temperature=cfg.temperature)
     ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
     return frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
                             copy_model=ref_lm is None,  # made before any sharding: the reference stays whole

@@ -54,6 +54,11 @@ RECIPES: dict[str, dict] = {
 }  # fmt: skip
 
 
+#: ``--lr`` of a ``--lora-rank`` run when the flag is unset: the adapters start at zero and carry the whole update,
+#: so they take a larger step than the full model's recipe (``benchmarks/README.md`` has the runs behind it).
+LORA_LR = 1e-4
+
+
 #: The critic-free ``--advantage`` modes (:mod:`ppo_objectives.value.critic_free`).
 ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "reinforce++")
 
@@ -124,6 +129,9 @@ class TrainConfig:
     dtype: str = _f("float32", "bfloat16: actor and critic forwards under autocast (float32 weights, AdamW state, "
                                "log-softmax and losses), reference in bf16", choices=DTYPES)
     grad_checkpointing: bool = _f(False, "activation checkpointing of the decoder layers (needs --model)")
+    lora_rank: int = _f(0, "text tasks: train LoRA adapters of this rank on the attention and MLP projections "
+                           "(peft: pip install -e '.[lora]') instead of every weight; the KL reference is the model "
+                           "with its adapters off (no second copy), the export merges them; 0 = full fine-tuning")
     shared_trunk: bool = _rf("shared_trunk", "critic value head on the actor's trunk (one forward serves both, and "
                                              "the rollout writes V_old) instead of its own copy of the trunk")
     fsdp: bool = _f(False, "under torchrun: shard the actor's and the critic's models over the ranks with FSDP2 "
@@ -221,6 +229,8 @@ class TrainConfig:
         return "pretrained" if self.task in TEXT_TASKS else "toy"
 
     def __post_init__(self):
+        if self.lora_rank and self.lr is None:
+            self.lr = LORA_LR
         for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *RECIPES[self.recipe].items(),
                             ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
             if getattr(self, name) is None:
@@ -230,6 +240,7 @@ class TrainConfig:
         self._check_collector()
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig dtype={self.dtype!r} must be one of {DTYPES} (bfloat16: mixed precision)")
+        self._check_lora()
         if self.grad_checkpointing and not self.model:
             raise ValueError(
                 "--grad-checkpointing needs --model DIR: it is Hugging Face's activation checkpointing of the "
@@ -286,6 +297,19 @@ class TrainConfig:
             if given:
                 raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
                                  f"(its advantages come from the group's / batch's scores); drop them or use --advantage gae")
+
+    def _check_lora(self) -> None:
+        """``--lora-rank``: an int >= 0, on a text task whose critic sits on the actor's trunk (text tasks refuse
+        ``--fsdp`` already)."""
+        _validate.check_int("lora_rank", self.lora_rank, low=0, where="TrainConfig ")
+        if not self.lora_rank:
+            return
+        if self.recipe != "pretrained":
+            raise ValueError(f"--lora-rank puts adapters on a pretrained model's projections, but --task {self.task} "
+                             "is a toy digit task; use a text task (--task chat-add1 | chat-add2 | jsonl) with --model")
+        if not self.shared_trunk and not self.critic_free:
+            raise ValueError("--lora-rank with --no-shared-trunk: the critic's own trunk would be fully fine-tuned "
+                             "beside the adapters; drop --no-shared-trunk (the value head then reads the actor's trunk)")
 
     def _check_collector(self) -> None:
         """``--collector-backend`` is known; ``--ray-address`` goes with ``ray``, whose actors roll out on CPU."""
@@ -391,7 +415,7 @@ _HELP_GROUPS = {
 
 _GROUP_MEMBERS = {
     "run": ("iterations", "seed", "device", "resume", "allow_change", "time_limit"),
-    "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing"),
+    "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing", "lora_rank"),
     "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",

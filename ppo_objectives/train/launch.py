@@ -24,21 +24,25 @@ from ppo_objectives.train.ray_collector import cluster_address, import_ray
 from ppo_objectives.train.text_job import check_inputs, input_sha256
 
 
-def _check_job_packages(cfg: TrainConfig) -> None:
-    """The job's progress bar needs tqdm and its plot matplotlib (the ``train`` extra): a missing one is named with
-    the flag that runs without it."""
+def _missing(module: str) -> bool:
     import importlib.util
 
+    try:
+        return importlib.util.find_spec(module) is None
+    except ValueError:  # a module set to None in sys.modules
+        return True
+
+
+def _check_job_packages(cfg: TrainConfig) -> None:
+    """The job's progress bar needs tqdm and its plot matplotlib (the ``train`` extra), ``--lora-rank`` peft (the
+    ``lora`` extra): a missing one is named with the flag that runs without it."""
     needed = (("tqdm", not cfg.no_progress, "--no-progress", "the progress bar"),
               ("matplotlib", not cfg.no_plot, "--no-plot", "training.png"))
+    if cfg.lora_rank and _missing("peft"):
+        raise ImportError(f"--lora-rank {cfg.lora_rank} needs peft, which is not installed: pip install -e "
+                          "\".[lora]\" (from the clone), or run without --lora-rank (full fine-tuning)")
     for module, used, flag, what in needed:
-        if not used:
-            continue
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ValueError:  # a module set to None in sys.modules
-            found = False
-        if not found:
+        if used and _missing(module):
             raise ImportError(f"{what} needs {module}, which is not installed: pip install -e \".[train]\" (from "
                               f"the clone), or run without it with {flag}")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ppo_objectives.llm.lora import merged_hf_model
 from ppo_objectives.train.pretrained import CONVERTER, check_checkpoint_dir, has_tokenizer, load_tokenizer
 from ppo_objectives.train.text import (
     TextTask,
@@ -199,7 +200,8 @@ def export_hf(model: torch.nn.Module, tokenizer, path: Path) -> None:
     """Save the actor's Hugging Face model and its tokenizer (chat template included) to ``path``.
 
     Written to a temporary directory first and swapped in, so ``path`` always holds a whole
-    checkpoint. ``model`` is an :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`.
+    checkpoint. ``model`` is an :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`; its LoRA adapters, if any, are
+    merged into the weights (:func:`~ppo_objectives.llm.lora.merged_hf_model`), so the directory loads without peft.
     """
     from transformers.utils import logging as hf_logging
 
@@ -208,7 +210,7 @@ def export_hf(model: torch.nn.Module, tokenizer, path: Path) -> None:
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
     try:
-        model.hf_model.save_pretrained(str(tmp))
+        merged_hf_model(model).save_pretrained(str(tmp))  # LoRA adapters merged: a plain Hugging Face model
     finally:
         if shown:
             hf_logging.enable_progress_bar()

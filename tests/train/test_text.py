@@ -409,3 +409,75 @@ def test_pretrained_recipe_defaults_fill_unset_flags():
     args = T.build_parser().parse_args(["--task", "chat-add2", "--model", "m", "--no-shared-trunk"])
     cfg = T.TrainConfig(**vars(args))
     assert cfg.shared_trunk is False and cfg.num_envs == T.RECIPES["pretrained"]["num_envs"]
+
+
+def test_a_lora_run_trains_the_adapters_only_and_exports_them_merged(tmp_path, chat_model_dir):
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from ppo_objectives import train as T
+    from ppo_objectives.llm.hf import HFCausalLMAdapter
+    from ppo_objectives.llm.lora import add_lora
+
+    rows, out = _run_job(tmp_path, chat_model_dir, lora_rank=2, iterations=2, kl_reward_coeff=0.05)
+    assert rows[-1]["kl_ref"] != 0.0  # the reference (adapters off) is no longer the actor (adapters on)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["reference"] == {} and ckpt["config"]["lr"] == T.config.LORA_LR
+    lm = add_lora(HFCausalLMAdapter.from_pretrained(str(chat_model_dir)), rank=2)
+    start = {n: p.clone() for n, p in lm.state_dict().items()}
+    lm.load_state_dict(ckpt["actor_model"])
+    moved = {n for n, p in lm.state_dict().items() if not torch.equal(p, start[n])}
+    assert moved and all("lora_" in n for n in moved)  # the base weights never moved
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
+    assert not any("lora_" in n for n in hf.state_dict())
+    ids, am = torch.randint(3, 100, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    torch.testing.assert_close(HFCausalLMAdapter(hf)(ids, am).logits, lm(ids, am).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_run_resumes_exactly(tmp_path, chat_model_dir):
+    pytest.importorskip("peft")
+    from ppo_objectives import train as T
+
+    straight, _ = _run_job(tmp_path / "a", chat_model_dir, lora_rank=2, iterations=2, save_every=1, eval_every=2)
+    _run_job(tmp_path / "b", chat_model_dir, lora_rank=2, iterations=1, save_every=1, eval_every=2)
+    _, out = _run_job(tmp_path / "b", chat_model_dir, lora_rank=2, iterations=2, save_every=1, eval_every=2,
+                      resume=True)
+    resumed = T.read_metrics(out / "metrics.csv")
+    assert [r["iteration"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(straight[1:], resumed[1:]):
+        for k in ("reward", "loss_objective", "loss_critic", "kl_ref"):
+            assert a[k] == b[k], (a["iteration"], k)
+    assert straight[-1]["eval_greedy"] == resumed[-1]["eval_greedy"]  # the interrupted run evaluated at its end too
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(task="reverse", lora_rank=4), r"--lora-rank puts adapters on a pretrained model's projections, but --task "
+                                        r"reverse is a toy digit task"),
+    (dict(task="chat-add1", model="m", lora_rank=4, shared_trunk=False), r"--lora-rank with --no-shared-trunk"),
+    (dict(task="chat-add1", model="m", lora_rank=-1), r"TrainConfig lora_rank=-1"),
+])  # fmt: skip
+def test_lora_configuration_errors(kw, match):
+    from ppo_objectives import train as T
+
+    with pytest.raises(ValueError, match=match):
+        T.TrainConfig(**kw)
+
+
+def test_lora_takes_its_own_learning_rate_unless_one_is_given():
+    from ppo_objectives import train as T
+
+    assert T.TrainConfig(task="chat-add1", model="m", lora_rank=8).lr == T.config.LORA_LR
+    assert T.TrainConfig(task="chat-add1", model="m", lora_rank=8, lr=3e-5).lr == 3e-5
+    assert T.TrainConfig(task="chat-add1", model="m").lr == T.RECIPES["pretrained"]["lr"]
+
+
+def test_lora_without_peft_is_refused_before_anything_loads(tmp_path, chat_model_dir, monkeypatch):
+    from ppo_objectives import train as T
+    from ppo_objectives.train import launch
+
+    monkeypatch.setattr(launch, "_missing", lambda module: module == "peft")
+    cfg = T.TrainConfig(model=str(chat_model_dir), task="chat-add1", lora_rank=2, out=str(tmp_path / "run"),
+                        no_progress=True, no_plot=True)
+    with pytest.raises(ImportError, match=r'--lora-rank 2 needs peft, which is not installed: pip install -e "\.\[lora\]"'):
+        T.check_launch(cfg)
+    assert not (tmp_path / "run").exists()
