@@ -173,7 +173,7 @@ def _check_resumed_model(ckpt: dict, cfg: TrainConfig, out: Path) -> None:
 _AUTOCAST_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> autocast_dtype of actor and critic
 
 
-_REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype -> the frozen reference's weights
+_REFERENCE_DTYPE = {"float32": None, "bfloat16": torch.bfloat16}  # --reference-dtype -> the reference's weights
 
 
 def _ppo_modules(cfg: TrainConfig, actor: TensorDictModule, critic: TensorDictModule, ref: TensorDictModule | None,
@@ -330,7 +330,7 @@ def _reference(cfg: TrainConfig, task, ac: ActorCritic, P: int, device) -> Tenso
     if cfg.lora_rank:
         return frozen_reference(AdaptersOff(ac.actor_model), P, copy_model=False, temperature=cfg.temperature)
     ref_lm = _loaded_copy(cfg, task, ac.actor_model, device)  # --model: loaded again; else a copy of the actor
-    return frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.dtype],
+    return frozen_reference(ac.actor_model if ref_lm is None else ref_lm, P, dtype=_REFERENCE_DTYPE[cfg.reference_dtype],
                             copy_model=ref_lm is None,  # made before any sharding: the reference stays whole
                             temperature=cfg.temperature)  # the KL penalty compares both at --temperature
 

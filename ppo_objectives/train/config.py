@@ -128,6 +128,10 @@ class TrainConfig:
                                       "token i, on purpose", choices=("tokenizer", "identity"))
     dtype: str = _f("float32", "bfloat16: actor and critic forwards under autocast (float32 weights, AdamW state, "
                                "log-softmax and losses), reference in bf16", choices=DTYPES)
+    reference_dtype: str = _f(None, "the frozen reference's weights and forward: bfloat16 runs the KL's reference "
+                                     "forward in bf16 (faster where the CPU or GPU has bf16 units; its log-probs are "
+                                     "bf16-rounded) while the actor and critic stay in --dtype; unset: --dtype's",
+                              type_=str, choices=DTYPES)
     grad_checkpointing: bool = _f(False, "activation checkpointing of the decoder layers (needs --model)")
     lora_rank: int = _f(0, "text tasks: train LoRA adapters of this rank on the attention and MLP projections "
                            "(peft: pip install -e '.[lora]') instead of every weight; the KL reference is the model "
@@ -240,6 +244,10 @@ class TrainConfig:
         self._check_collector()
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig dtype={self.dtype!r} must be one of {DTYPES} (bfloat16: mixed precision)")
+        if self.reference_dtype is None:
+            self.reference_dtype = self.dtype
+        if self.reference_dtype not in DTYPES:
+            raise ValueError(f"TrainConfig reference_dtype={self.reference_dtype!r} must be one of {DTYPES}")
         self._check_lora()
         if self.grad_checkpointing and not self.model:
             raise ValueError(
@@ -307,6 +315,10 @@ class TrainConfig:
         if self.recipe != "pretrained":
             raise ValueError(f"--lora-rank puts adapters on a pretrained model's projections, but --task {self.task} "
                              "is a toy digit task; use a text task (--task chat-add1 | chat-add2 | jsonl) with --model")
+        if self.reference_dtype != self.dtype:
+            raise ValueError(f"--reference-dtype {self.reference_dtype} with --lora-rank: the reference is the actor's "
+                             f"own weights with the adapters off, which run in --dtype {self.dtype}; drop "
+                             "--reference-dtype (or give --dtype bfloat16 for both)")
         if not self.shared_trunk and not self.critic_free:
             raise ValueError("--lora-rank with --no-shared-trunk: the critic's own trunk would be fully fine-tuned "
                              "beside the adapters; drop --no-shared-trunk (the value head then reads the actor's trunk)")
@@ -415,7 +427,7 @@ _HELP_GROUPS = {
 
 _GROUP_MEMBERS = {
     "run": ("iterations", "seed", "device", "resume", "allow_change", "time_limit"),
-    "model": ("preset", "model", "token_map", "dtype", "grad_checkpointing", "lora_rank"),
+    "model": ("preset", "model", "token_map", "dtype", "reference_dtype", "grad_checkpointing", "lora_rank"),
     "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",

@@ -283,3 +283,16 @@ def test_a_run_without_a_kl_term_builds_no_reference_and_logs_no_reference_kl(tm
                                    dict(kl_reward_coeff=0.0, adaptive_kl=True)])
 def test_every_kl_term_keeps_the_reference(flags):
     assert T.TrainConfig(**flags).uses_reference
+
+
+def test_the_reference_alone_can_run_in_bf16(tmp_path):
+    seen = []
+    cfg = T.TrainConfig(iterations=1, preset="pico", num_envs=8, warmup_steps=3, no_plot=True, no_progress=True,
+                        reference_dtype="bfloat16", out=str(tmp_path / "run"))
+    rows = T.train(cfg, callbacks=[lambda row, run: seen.append(
+        ({p.dtype for p in run.ref.parameters()}, {p.dtype for p in run.ac.actor_parameters()}))])
+    assert seen == [({torch.bfloat16}, {torch.float32})]
+    assert math.isfinite(rows[0]["kl_ref"])
+    assert T.TrainConfig().reference_dtype == "float32" and T.TrainConfig(dtype="bfloat16").reference_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--reference-dtype bfloat16 with --lora-rank: the reference is the actor's own"):
+        T.TrainConfig(task="chat-add1", model="m", lora_rank=2, reference_dtype="bfloat16")
