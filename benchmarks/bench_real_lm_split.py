@@ -106,8 +106,10 @@ def instrument(run, clock: PhaseClock) -> None:
     tr.backward = _timed(clock, "update: backward + gradient clipping", tr.backward)
     tr.check_last_step = _timed(clock, "check", tr.check_last_step)
     update.snapshot = _timed(clock, "update: trust-region snapshot", update.snapshot)
-    for opt in run.optimizers:
-        opt.step = _timed(clock, "update: AdamW steps", opt.step)
+    for opt, whose in zip(run.optimizers, ("actor", "critic")):
+        opt.step = _timed(clock, f"update: AdamW steps ({whose})", opt.step)
+    head = run.ac.critic_head  # the value head: inside the rollout's and the loss's forwards
+    head.forward = _timed(clock, "value head (in the rollout and the loss forwards)", head.forward)
     if run.kl_transform is not None:  # no KL term: no reference, no transform
         run.kl_transform.forward = _timed(clock, REFERENCE, run.kl_transform.forward)
     run.gae.forward = _timed(clock, "GAE", run.gae.forward)
