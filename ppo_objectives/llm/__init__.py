@@ -4,7 +4,8 @@
 - :mod:`~ppo_objectives.llm.models`: :class:`TinyCausalLM` (a KV cache, named presets);
   :mod:`~ppo_objectives.llm.hf`: :class:`HFCausalLMAdapter`, any Hugging Face causal LM behind
   the same interface; :mod:`~ppo_objectives.llm.token_map`: :class:`TokenMappedLM`, such a model
-  behind a task's (smaller) vocabulary.
+  behind a task's (smaller) vocabulary; :mod:`~ppo_objectives.llm.lora`: LoRA adapters on such a model
+  (``peft``) and the reference they give for free.
 - :mod:`~ppo_objectives.llm.policy`: the env policy with a per-row KV cache, ``sample_with_kv_cache``.
 - :mod:`~ppo_objectives.llm.readouts`: per-token log-probs and values of the response layout, the
   actor-critic pair, the frozen reference.

@@ -22,6 +22,8 @@ from torch import nn
 from ppo_objectives import _validate
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 
+__all__ = ["LORA_TARGETS", "AdaptersOff", "add_lora", "has_lora", "merged_hf_model"]
+
 #: The projections that get adapters: attention and MLP of Llama-style decoders (SmolLM2, Qwen2, Llama).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
