@@ -85,20 +85,20 @@ def one_run(model: Path, task: str, seed: int, iterations: int, eval_every: int,
                  "--out", out, "--threads", str(threads), "--no-progress", "--no-plot", "--save-every", "100000",
                  "--eval-every", "0", *train_args]
         cfg = T.TrainConfig(**vars(T.build_parser().parse_args(flags)))
-        from transformers import AutoModelForCausalLM
-
-        start = AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True, dtype=torch.float32)
-        if threads:
-            torch.set_num_threads(threads)
-        greedy(HFCausalLMAdapter(start), 0)
-        del start
         t0 = time.perf_counter()
         rows = T.train(cfg, callbacks=[after_each_iteration])
         wall = time.perf_counter() - t0
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the training's peak RSS
+    from transformers import AutoModelForCausalLM
+
+    # the pretrained model's accuracy, measured after the run so that its copy is not in the training's peak
+    start = AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True, dtype=torch.float32)
+    if threads:
+        torch.set_num_threads(threads)
+    greedy(HFCausalLMAdapter(start), 0)
     keep = ("iteration", "reward", "kl_ref", "early_stopped", "rolled_back", "collapse", "response_len")
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
     return dict(task=task, seed=seed, iterations=iterations, train_args=train_args,
-                held_out=len(task_eval.examples), evals={str(k): v for k, v in sorted(evals.items())},
+                held_out=len(task_eval.examples), evals={str(k): evals[k] for k in sorted(evals)},
                 iteration_s=times, wall_s=wall, peak_rss_gib=peak_gib,
                 rows=[{k: r.get(k) for k in keep} for r in rows if r["iteration"] > 0])
 
