@@ -141,7 +141,7 @@ def bootstrap_diff(a: list[list[float]], b: list[list[float]], n: int = 4000, se
     return point, diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
-def summary(plot: bool) -> int:
+def summary(plot: bool, baseline: str) -> int:
     for task_dir in sorted(p for p in RESULTS.glob("*") if p.is_dir()):
         runs: dict[str, list[dict]] = {}
         for f in sorted(task_dir.glob("*/seed*.json")):
@@ -160,15 +160,16 @@ def summary(plot: bool) -> int:
                 accs = [statistics.mean(r["evals"][str(it)]) for r in runs[n] if str(it) in r["evals"]]
                 cells.append(f"{statistics.mean(accs):.3f} ({min(accs):.2f}-{max(accs):.2f})" if accs else "")
             print(f"| {it} | " + " | ".join(cells) + " |")
-        for i, a in enumerate(names):
-            for b in names[i + 1:]:
-                print(f"\n{b} - {a}, mean difference [95% bootstrap interval over seeds and problems]:")
-                for it in points:
-                    ea = [r["evals"][str(it)] for r in runs[a] if str(it) in r["evals"]]
-                    eb = [r["evals"][str(it)] for r in runs[b] if str(it) in r["evals"]]
-                    if ea and eb:
-                        d, lo, hi = bootstrap_diff(ea, eb)
-                        print(f"  iteration {it:3d}: {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        pairs = ([(baseline, n) for n in names if n != baseline] if baseline in names
+                 else [(a, b) for i, a in enumerate(names) for b in names[i + 1:]])
+        for a, b in pairs:
+            print(f"\n{b} - {a}, mean difference [95% bootstrap interval over seeds and problems]:")
+            for it in points:
+                ea = [r["evals"][str(it)] for r in runs[a] if str(it) in r["evals"]]
+                eb = [r["evals"][str(it)] for r in runs[b] if str(it) in r["evals"]]
+                if ea and eb:
+                    d, lo, hi = bootstrap_diff(ea, eb)
+                    print(f"  iteration {it:3d}: {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
         for n in names:
             secs = [s for r in runs[n] for s in r["iteration_s"][1:]]
             flags = sum(int(row.get("early_stopped") or 0) for r in runs[n] for row in r["rows"])
@@ -216,11 +217,12 @@ def main(argv=None) -> int:
     p.add_argument("--train-args", default="", help="extra flags of the job for this variant")
     p.add_argument("--summary", action="store_true", help="print the tables and draw the plots of every result")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--baseline", default="before", help="--summary: the variant the others are compared with")
     p.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.summary:
-        return summary(not args.no_plot)
+        return summary(not args.no_plot, args.baseline)
     if args.one_run:
         row = one_run(args.model, args.task, args.seeds[0], args.iterations, args.eval_every, args.threads,
                       args.train_args.split())
