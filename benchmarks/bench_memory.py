@@ -14,7 +14,6 @@ last of those iterations, and each row's ratio to the ``kl`` row (full fine-tuni
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
 
-from bench_real_lm_split import DEFAULT_MODEL, DEFAULT_ROWS, ROWS  # noqa: E402
+from bench_real_lm_split import ROWS, row_parser  # noqa: E402
 
 
 def _status_gib(field: str) -> float:
@@ -55,15 +54,9 @@ def one_row(args, row: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="checkpoint directory (python -m ppo_objectives.pretrained --gguf smollm2 --out DIR)")
-    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2"))
-    p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=list(ROWS))
+    p = row_parser(__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=4, help="iterations per row; the peak is over 2 .. N-1")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--one-row", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not Path("/proc/self/clear_refs").exists():
         p.error("this benchmark reads and resets the peak RSS through /proc (Linux only)")

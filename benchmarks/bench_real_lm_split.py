@@ -230,18 +230,24 @@ def report(results: list[dict]) -> None:
         print(phase_table(res["job"], res["plain"]))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def row_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every per-row SmolLM2 benchmark takes: ``--model``, ``--task``, ``--rows`` (and the hidden
+    ``--one-row`` its row processes get)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                    help="checkpoint directory (python -m ppo_objectives.pretrained --gguf smollm2 --out DIR)")
     p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2"))
     p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=list(ROWS))
+    p.add_argument("--one-row", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = row_parser(__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=5, help="measured iterations per side (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--summary-only", action="store_true", help="print the tables of the rows already written")
-    p.add_argument("--one-row", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.iterations < 1:
         p.error(f"--iterations must be >= 1, got {args.iterations}")
