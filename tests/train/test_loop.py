@@ -76,6 +76,7 @@ def test_one_training_iteration_decreases_the_loss_on_a_fixed_batch():
 
 
 def _rollout(**cfg_kw):
+    """Pieces of a tiny run and one rollout batch (advantages included); ``cfg_kw`` as ``_pieces`` takes them."""
     cfg, task, env, ac, kl, gae, loss, opts = _pieces(**cfg_kw)
     collector = T.make_collector(cfg, task, ac.policy, env)
     try:

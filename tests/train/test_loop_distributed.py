@@ -14,28 +14,13 @@ import torch.multiprocessing as mp
 from _flags import SMALL
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from test_loop import _pieces
+from test_loop import _params, _rollout
 
 from ppo_objectives import train as T
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train import distributed
 
 WORLD = 2
-
-
-def _params(ac) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().clone() for p in ac.actor_parameters() + ac.critic_parameters()])
-
-
-def _rollout(seed=0, **cfg_kw):
-    """Pieces of a tiny run and one rollout batch (advantages included)."""
-    cfg, task, env, ac, kl, gae, loss, opts = _pieces(seed=seed, **cfg_kw)
-    collector = T.make_collector(cfg, task, ac.policy, env)
-    try:
-        llm = T.rollout_batch(iter(collector), ac, kl, gae, env.prompt_len, env.max_new_tokens)
-    finally:
-        collector.shutdown()
-    return cfg, ac, loss, opts, llm
 
 
 # --------------------------------------------------------------------------- #
