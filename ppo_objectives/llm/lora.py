@@ -114,6 +114,8 @@ class AdaptersOff(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if "_lm" not in self.__dict__:  # not built yet (copy, unpickling): nothing to forward to
+                raise
             return getattr(self.__dict__["_lm"][0], name)
 
 

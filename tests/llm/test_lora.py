@@ -88,3 +88,7 @@ def test_add_lora_errors():
         add_lora(add_lora(_lm(), rank=2), rank=2)
     with pytest.raises(ValueError, match=r"AdaptersOff: lm has no LoRA adapters \(add_lora\)"):
         AdaptersOff(_lm())
+    bare = AdaptersOff.__new__(AdaptersOff)  # as copy and pickle make it: no lm to forward attributes to yet
+    assert not hasattr(bare, "vocab_size")
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        AdaptersOff(add_lora(_lm(), rank=2)).no_such_attribute
