@@ -271,6 +271,14 @@ def _takes_keyword(fn: Callable, name: str) -> bool:
     return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
+def _task_turns(task) -> dict:
+    """The multi-turn settings of a task that has an ``env_turn`` method (none for a single-turn task)."""
+    if getattr(task, "env_turn", None) is None:
+        return {}
+    return dict(env_turn_fn=task.env_turn, max_turns=getattr(task, "max_turns", None),
+                max_turn_tokens=getattr(task, "max_turn_tokens", None))
+
+
 class TokenLMEnv(EnvBase):
     """Batched token-by-token generation as a TorchRL environment.
 
@@ -301,6 +309,13 @@ class TokenLMEnv(EnvBase):
             response index of the token just generated).
         device: where the env's tensors live.
         seed: seed of the prompt generator (:meth:`set_seed`).
+        env_turn_fn: makes the env **multi-turn** (module docstring, "Multi-turn episodes"):
+            called at the end of each assistant turn as ``env_turn_fn(response_ids [r],
+            assistant_mask [r], conversation=list)`` (plus ``prompt_id=`` when it takes one)
+            and returns the token ids of the environment's turn (a tool result, feedback, the
+            next user message: 1-D ints), or ``None`` to end the episode.
+        max_turns: multi-turn: the assistant's turns per episode (default: as many as fit).
+        max_turn_tokens: multi-turn: the tokens of one assistant turn (default ``max_new_tokens``).
         group_size: ``G``, responses sampled per prompt (GRPO, RLOO): a full reset draws
             ``N / G`` prompts and gives each to ``G`` consecutive rows, which share a ``group``
             id (``N`` must be a multiple of ``G``). A row that finishes and restarts inside a
@@ -340,6 +355,9 @@ class TokenLMEnv(EnvBase):
         device: torch.device | str | None = None,
         seed: int | None = None,
         group_size: int = 1,
+        env_turn_fn: Callable[..., Any] | None = None,
+        max_turns: int | None = None,
+        max_turn_tokens: int | None = None,
     ):
         for name, value, low in (
             ("num_envs", num_envs, 1),
@@ -366,10 +384,47 @@ class TokenLMEnv(EnvBase):
         self._groups = 0  # groups drawn so far (the next group id)
         self.reward_fn, self.token_reward_fn = reward_fn, token_reward_fn
         self._reward_takes_prompt_id = _takes_keyword(reward_fn, "prompt_id")
+        self._set_turns(env_turn_fn, max_turns, max_turn_tokens)
         self._prompts = _PromptStream(prompts, pad_id)
         self._generator = torch.Generator()
         self._make_specs()
         self.set_seed(0 if seed is None else seed)
+
+    def _set_turns(self, env_turn_fn, max_turns, max_turn_tokens) -> None:
+        """The multi-turn settings, checked; a single-turn env refuses the turn budgets."""
+        self.env_turn_fn = env_turn_fn
+        self.multi_turn = env_turn_fn is not None
+        if not self.multi_turn:
+            given = [n for n, v in (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens)) if v is not None]
+            if given:
+                raise ValueError(f"TokenLMEnv {' and '.join(given)} budget the turns of a multi-turn env, and this env "
+                                 f"has one turn (no env_turn_fn); pass env_turn_fn= or drop {given[0]}")
+            return
+        if not callable(env_turn_fn):
+            raise TypeError(f"TokenLMEnv env_turn_fn must be callable (response_ids, assistant_mask, conversation=) -> "
+                            f"token ids | None, got {type(env_turn_fn).__name__}")
+        if max_turns is not None:
+            _validate.check_int("max_turns", max_turns, low=1, where="TokenLMEnv ")
+        if max_turn_tokens is not None:
+            _validate.check_int("max_turn_tokens", max_turn_tokens, low=1, where="TokenLMEnv ")
+            if max_turn_tokens > self.max_new_tokens:
+                raise ValueError(f"TokenLMEnv max_turn_tokens={max_turn_tokens} exceeds max_new_tokens="
+                                 f"{self.max_new_tokens}, the whole conversation's budget; lower it or raise "
+                                 f"max_new_tokens")
+        self.max_turns = max_turns
+        self.max_turn_tokens = self.max_new_tokens if max_turn_tokens is None else max_turn_tokens
+        self._turn_takes_prompt_id = _takes_keyword(env_turn_fn, "prompt_id")
+        self._reward_takes_conversation = _takes_keyword(self.reward_fn, "conversation")
+        self._conversations: list[list] = [[] for _ in range(self.batch_size[0])]
+        #: Environment turns that did not fit the token budget (each ended its episode, truncated).
+        self.env_turns_cut = 0
+
+    def conversation(self, row: int) -> list:
+        """Row ``row``'s conversation list: what ``env_turn_fn`` recorded in it since the row's last reset (the
+        env passes it as ``conversation=`` to ``env_turn_fn`` and to a ``reward_fn`` that takes it)."""
+        if not self.multi_turn:
+            raise ValueError("TokenLMEnv.conversation: this env has one turn (no env_turn_fn), so no conversation")
+        return self._conversations[row]
 
     @classmethod
     def from_task(cls, task: LMTask, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
@@ -388,7 +443,7 @@ class TokenLMEnv(EnvBase):
             vocab_size=task.vocab_size if vocab_size is None else vocab_size,
             eos_id=task.eos_id,
             pad_id=task.pad_id,
-            **kwargs,
+            **{**_task_turns(task), **kwargs},
         )
 
     @property
@@ -404,6 +459,7 @@ class TokenLMEnv(EnvBase):
             position=Bounded(low=P, high=S, shape=(N,), dtype=torch.long),
             prompt_id=Unbounded(shape=(N,), dtype=torch.long),
             group=Unbounded(shape=(N,), dtype=torch.long),
+            **self._turn_specs(),
             shape=(N,),
         )
         self.action_spec = Categorical(V, shape=(N,), dtype=torch.long)
@@ -413,6 +469,18 @@ class TokenLMEnv(EnvBase):
             terminated=Categorical(2, shape=(N, 1), dtype=torch.bool),
             truncated=Categorical(2, shape=(N, 1), dtype=torch.bool),
             shape=(N,),
+        )
+
+    def _turn_specs(self) -> dict:
+        """The multi-turn observations: which columns the policy wrote, where its current turn began, and its
+        finished turns (none for a single-turn env)."""
+        if not self.multi_turn:
+            return {}
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        return dict(
+            assistant_mask=Categorical(2, shape=(N, S), dtype=torch.bool),
+            turn_start=Bounded(low=P, high=S, shape=(N,), dtype=torch.long),
+            turns=Unbounded(shape=(N,), dtype=torch.long),
         )
 
     def _set_seed(self, seed: int | None) -> None:
@@ -447,12 +515,20 @@ class TokenLMEnv(EnvBase):
         mask[rows, :P] = pmask.to(self.device)
         prompt_id[rows] = ids_of_prompts.to(self.device)
         false = torch.zeros(N, 1, dtype=torch.bool, device=self.device)
+        turn_state = {}
+        if self.multi_turn:
+            for i in rows.tolist():
+                self._conversations[i] = []
+            turn_state = dict(assistant_mask=torch.zeros(N, S, dtype=torch.bool, device=self.device),
+                              turn_start=torch.full((N,), P, dtype=torch.long, device=self.device),
+                              turns=torch.zeros(N, dtype=torch.long, device=self.device))
         return TensorDict(
             tokens=tokens,
             attention_mask=mask,
             position=torch.full((N,), P, dtype=torch.long, device=self.device),
             prompt_id=prompt_id,
             group=group,
+            **turn_state,
             done=false,
             terminated=false.clone(),
             truncated=false.clone(),
@@ -460,8 +536,8 @@ class TokenLMEnv(EnvBase):
             device=self.device,
         )
 
-    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+    def _action(self, tensordict: TensorDictBase) -> Tensor:
+        """The ``[N]`` token ids of ``action``, refused when not integers."""
         action = tensordict.get("action")
         if action.is_floating_point() or action.is_complex() or action.dtype == torch.bool:
             raise TypeError(
@@ -469,7 +545,38 @@ class TokenLMEnv(EnvBase):
                 f"integer tensor (e.g. Categorical(logits=logits).sample() or logits.argmax(-1)); a float action "
                 f"is never rounded or truncated (3.7 is not token 3)"
             )
-        action = action.reshape(N).long()
+        return action.reshape(self.batch_size[0]).long()
+
+    def _raise_out_of_vocab(self, action: Tensor, out_of_vocab: Tensor) -> None:
+        i = int(out_of_vocab.nonzero()[0, 0])
+        raise ValueError(
+            f"action {int(action[i])} of row {i} is outside the vocabulary [0, {self.vocab_size}): an action "
+            f"is the next token id; check the policy's output size (V = {self.vocab_size})"
+        )
+
+    def _score(self, rows: Tensor, tokens: Tensor, mask: Tensor, response_mask: Tensor, prompt_id: Tensor) -> Tensor:
+        """``reward_fn`` of the finished ``rows``, ``[k]`` float32, checked (``response_mask``: the columns
+        ``>= P`` the reward reads: the policy's tokens)."""
+        P = self.prompt_len
+        extra = {"prompt_id": prompt_id[rows]} if self._reward_takes_prompt_id else {}
+        if self.multi_turn and self._reward_takes_conversation:
+            extra["conversation"] = [self._conversations[i] for i in rows.tolist()]
+        score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], response_mask[rows], **extra)
+        score = torch.as_tensor(score, dtype=torch.float32, device=self.device)
+        if score.shape != rows.shape:
+            k = rows.numel()
+            raise ValueError(
+                f"TokenLMEnv reward_fn returned shape {tuple(score.shape)} for k={k} finished responses; "
+                f"expected [k] = ({k},), one score per response (the env places it on the response's last "
+                f"token as ('next', 'reward') [N, 1]); return e.g. score.reshape({k}) or score.squeeze(-1)"
+            )
+        return score
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self.multi_turn:
+            return self._turn_step(tensordict)
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        action = self._action(tensordict)
         position = tensordict.get("position").reshape(N)
         col = position.clamp(max=S - 1)[:, None]  # a done row stepped again stays in bounds
         tokens = tensordict.get("tokens").scatter(1, col, action[:, None])
@@ -482,25 +589,11 @@ class TokenLMEnv(EnvBase):
         out_of_vocab = (action < 0) | (action >= self.vocab_size)
         bad, any_done = torch.stack([out_of_vocab.any(), done.any()]).tolist()  # one host sync per step
         if bad:
-            i = int(out_of_vocab.nonzero()[0, 0])
-            raise ValueError(
-                f"action {int(action[i])} of row {i} is outside the vocabulary [0, {self.vocab_size}): an action "
-                f"is the next token id; check the policy's output size (V = {self.vocab_size})"
-            )
+            self._raise_out_of_vocab(action, out_of_vocab)
         prompt_id = tensordict.get("prompt_id").reshape(N)
         if any_done:  # score finished responses only
             rows = done.nonzero().squeeze(-1)
-            extra = {"prompt_id": prompt_id[rows]} if self._reward_takes_prompt_id else {}
-            score = self.reward_fn(tokens[rows, :P], mask[rows, :P], tokens[rows, P:], mask[rows, P:], **extra)
-            score = torch.as_tensor(score, dtype=torch.float32, device=self.device)
-            if score.shape != rows.shape:
-                k = rows.numel()
-                raise ValueError(
-                    f"TokenLMEnv reward_fn returned shape {tuple(score.shape)} for k={k} finished responses; "
-                    f"expected [k] = ({k},), one score per response (the env places it on the response's last "
-                    f"token as ('next', 'reward') [N, 1]); return e.g. score.reshape({k}) or score.squeeze(-1)"
-                )
-            reward[rows] = score
+            reward[rows] = self._score(rows, tokens, mask, mask[:, P:], prompt_id)
         if self.token_reward_fn is not None:
             reward = reward + self.token_reward_fn(tokens[:, P:], mask[:, P:], position - P).reshape(N).float()
         return TensorDict(
@@ -516,3 +609,123 @@ class TokenLMEnv(EnvBase):
             batch_size=self.batch_size,
             device=self.device,
         )
+
+    # ----------------------------------------------------------------------- #
+    # Multi-turn: the environment's turn between the assistant's turns
+    # ----------------------------------------------------------------------- #
+
+    def _turn_step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """One token of a multi-turn env: the module docstring's "Multi-turn episodes". A row that is already
+        done (stepped again without a reset) is left as it is."""
+        N, S, P = self.batch_size[0], self.seq_len, self.prompt_len
+        action = self._action(tensordict)
+        active = ~tensordict.get("done").reshape(N)
+        position = tensordict.get("position").reshape(N)
+        col = position.clamp(max=S - 1)[:, None]
+        write = active[:, None]
+        tokens = tensordict.get("tokens")
+        tokens = tokens.scatter(1, col, torch.where(write, action[:, None], tokens.gather(1, col)))
+        mask = tensordict.get("attention_mask").clone()
+        mask.scatter_(1, col, write | mask.gather(1, col))
+        assistant = tensordict.get("assistant_mask").clone()
+        assistant.scatter_(1, col, write | assistant.gather(1, col))
+        new_position = torch.where(active, position + 1, position)
+        turn_start = tensordict.get("turn_start").reshape(N).clone()
+        turns = tensordict.get("turns").reshape(N).clone()
+        turn_end = active & ((action == self.eos_id) | (new_position - turn_start >= self.max_turn_tokens)
+                             | (new_position >= S))
+        terminated = tensordict.get("terminated").reshape(N) & ~active
+        truncated = tensordict.get("truncated").reshape(N) & ~active
+        out_of_vocab = active & ((action < 0) | (action >= self.vocab_size))
+        bad, any_end = torch.stack([out_of_vocab.any(), turn_end.any()]).tolist()  # one host sync per step
+        if bad:
+            self._raise_out_of_vocab(action, out_of_vocab)
+        prompt_id = tensordict.get("prompt_id").reshape(N)
+        reward = torch.zeros(N, dtype=torch.float32, device=self.device)
+        if any_end:
+            state = dict(tokens=tokens, mask=mask, assistant=assistant, position=new_position, turn_start=turn_start,
+                         turns=turns, terminated=terminated, truncated=truncated)
+            for i in turn_end.nonzero().squeeze(-1).tolist():
+                self._end_turn(i, state, int(prompt_id[i]))
+            rows = (turn_end & (terminated | truncated)).nonzero().squeeze(-1)
+            if rows.numel():
+                reward[rows] = self._score(rows, tokens, mask, assistant[:, P:], prompt_id)
+        if self.token_reward_fn is not None:
+            shaping = self.token_reward_fn(tokens[:, P:], assistant[:, P:], position - P).reshape(N).float()
+            reward = reward + torch.where(active, shaping, 0.0)
+        done = terminated | truncated
+        return TensorDict(
+            tokens=tokens,
+            attention_mask=mask,
+            position=new_position,
+            prompt_id=prompt_id,
+            group=tensordict.get("group").reshape(N),
+            assistant_mask=assistant,
+            turn_start=turn_start,
+            turns=turns,
+            reward=reward[:, None],
+            done=done[:, None],
+            terminated=terminated[:, None],
+            truncated=truncated[:, None],
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+    def _end_turn(self, i: int, state: dict, prompt_id: int) -> None:
+        """Row ``i``'s assistant turn ended: append the environment's turn, or end the episode (``state``'s tensors
+        are written in place).
+
+        The episode ends **terminated** when ``env_turn_fn`` returns ``None``, and **truncated** when the token
+        budget is spent (no column left), when the turn budget is spent (``max_turns``: the environment's reply is
+        not appended), or when the environment's reply does not fit the buffer with a column to spare for the next
+        assistant token (the reply is dropped, counted in :attr:`env_turns_cut`, and the episode is scored on the
+        conversation as it stands)."""
+        S, P = self.seq_len, self.prompt_len
+        p = int(state["position"][i])
+        if p >= S:
+            state["truncated"][i] = True
+            return
+        reply = self._env_reply(i, state["tokens"][i, P:p], state["assistant"][i, P:p], prompt_id)
+        if reply is None:
+            state["terminated"][i] = True
+            return
+        if self.max_turns is not None and int(state["turns"][i]) + 1 >= self.max_turns:
+            state["truncated"][i] = True
+            return
+        k = reply.numel()
+        if p + k >= S:
+            self.env_turns_cut += 1
+            state["truncated"][i] = True
+            return
+        state["tokens"][i, p : p + k] = reply.to(self.device)
+        state["mask"][i, p : p + k] = True
+        state["position"][i] = state["turn_start"][i] = p + k
+        state["turns"][i] += 1
+
+    def _env_reply(self, i: int, response_ids: Tensor, assistant_mask: Tensor, prompt_id: int) -> Tensor | None:
+        """``env_turn_fn`` of row ``i``: ``None`` or its reply as 1-D int64 token ids, checked."""
+        extra = {"prompt_id": prompt_id} if self._turn_takes_prompt_id else {}
+        name = getattr(self.env_turn_fn, "__name__", type(self.env_turn_fn).__name__)
+        reply = self.env_turn_fn(response_ids, assistant_mask, conversation=self._conversations[i], **extra)
+        if reply is None:
+            return None
+        if isinstance(reply, Tensor) and (reply.is_floating_point() or reply.dtype == torch.bool):
+            ok = False
+        else:
+            try:
+                reply = torch.as_tensor(reply, dtype=torch.long) if not isinstance(reply, Tensor) else reply.long()
+                ok = reply.dim() == 1 and reply.numel() > 0
+            except (TypeError, ValueError, RuntimeError):
+                ok = False
+        if not ok:
+            raise ValueError(
+                f"TokenLMEnv env_turn_fn {name} returned {reply!r} for row {i}: it must return the environment "
+                f"turn's token ids (a non-empty 1-D sequence of ints) or None to end the episode"
+            )
+        bad = (reply < 0) | (reply >= self.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"TokenLMEnv env_turn_fn {name} returned token id {int(reply[bad][0])} for row {i}, outside the "
+                f"vocabulary [0, {self.vocab_size}); return ids of the env's vocabulary"
+            )
+        return reply

@@ -37,8 +37,10 @@ key                              shape         dtype     meaning
 ``"response_ids"``               [B, R]        int64     ``input_ids[:, P:]``
 ``"mask"``                       [B, R]        bool      True on the generated tokens (EOS
                                                          included); False on the padding after the
-                                                         response's end. The prompt is not on this
-                                                         axis, and there are no holes inside a row
+                                                         response's end, and on the holes of a
+                                                         multi-turn response: the environment's
+                                                         turns (in ``attention_mask``, read as
+                                                         context). The prompt is not on this axis
 ``"sample_log_prob"``            [B, R]        float32   log-prob of the token at sampling time,
                                                          0 off the mask
 ``"token_reward"``               [B, R]        float32   the env's per-step reward (the score on the
@@ -114,6 +116,7 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
 
 from ppo_objectives import _td as TD
 from ppo_objectives import _validate
@@ -146,9 +149,11 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
     row a stream of episodes of varying length. Every step whose
     ``("next", "done")`` is set closes one response; it is kept when its first
     token is inside the batch (episodes cut by the batch's start are
-    dropped -- with ``reset_at_each_iter=True`` none are). Response token
-    ``j`` of an episode ending at step ``t`` with length ``n`` was produced at
-    step ``t - n + 1 + j``.
+    dropped -- with ``reset_at_each_iter=True`` none are). Each step's token goes
+    to its response column, the step's ``position`` minus ``P``: one column per
+    step in a single-turn episode; in a multi-turn one the environment's turns
+    (written by the step that ended an assistant turn) are holes between them,
+    ``mask`` False, in ``input_ids`` and ``attention_mask`` as context.
 
     Args:
         batch: collector output with ``action``, ``sample_log_prob`` and ``("next", ...)``
@@ -202,42 +207,67 @@ def trajectories_to_llm_batch(batch: TensorDictBase, prompt_len: int, max_new_to
     nxt = batch.get("next")
     _check_prompt_and_budget(batch, P, M)
     done = nxt.get("done").reshape(batch.shape)  # [N, T]
-    n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)
-    length = nxt.get("position")[n_idx, t_idx] - P  # [B] tokens generated
-    start = t_idx - length + 1
-    keep = start >= 0
-    n_idx, t_idx, length, start = n_idx[keep], t_idx[keep], length[keep], start[keep]
+    n_idx, t_idx, step_b, step_col = _episodes(batch, done, P)
     B = n_idx.numel()
-    j = torch.arange(M, device=done.device)
-    in_resp = j[None, :] < length[:, None]  # [B, M]
-    steps = (start[:, None] + j[None, :]).clamp(max=batch.shape[1] - 1)  # [B, M]
-    rows = n_idx[:, None].expand(B, M)
-    logp = batch.get("sample_log_prob").reshape(batch.shape)[rows, steps].float()
-    token_reward = nxt.get("reward").reshape(batch.shape)[rows, steps].float()
+    placed = step_b >= 0  # [N, T] the steps of a kept episode, each at its response column
+    flat = (step_b * M + step_col)[placed]
+
+    def per_token(x: Tensor, fill) -> Tensor:
+        out = torch.full((B * M,), fill, dtype=x.dtype, device=done.device)
+        return out.index_put_((flat,), x.reshape(batch.shape)[placed]).reshape(B, M)
+
+    in_resp = per_token(torch.ones(batch.shape, dtype=torch.bool, device=done.device), False)  # [B, M]
+    logp = per_token(batch.get("sample_log_prob").float(), 0.0)
+    token_reward = per_token(nxt.get("reward").float(), 0.0)
     input_ids = nxt.get("tokens")[n_idx, t_idx]  # [B, S]
     attention_mask = nxt.get("attention_mask")[n_idx, t_idx].bool()
-    zero = torch.zeros((), device=done.device)
     extra = {}
     for key in ("prompt_id", "group"):  # the env's per-row ids, one per response
         if ("next", key) in batch.keys(include_nested=True):
             extra[key] = nxt.get(key).reshape(batch.shape)[n_idx, t_idx]
     if "state_value" in batch.keys():  # a policy with a value head wrote V_old at each step
-        value = batch.get("state_value").reshape(batch.shape)[rows, steps].float()
-        extra["state_value"] = torch.where(in_resp, value, zero)
+        extra["state_value"] = per_token(batch.get("state_value").float(), 0.0)
     return TensorDict(
         **extra,
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_ids=input_ids[:, P:],
         mask=in_resp,
-        sample_log_prob=torch.where(in_resp, logp, zero),
-        token_reward=torch.where(in_resp, token_reward, zero),
+        sample_log_prob=logp,
+        token_reward=token_reward,
         score=nxt.get("reward").reshape(batch.shape)[n_idx, t_idx].float(),
         terminated=nxt.get("terminated").reshape(batch.shape)[n_idx, t_idx].bool(),
         truncated=nxt.get("truncated").reshape(batch.shape)[n_idx, t_idx].bool(),
         batch_size=[B],
         device=batch.device,
     )
+
+
+def _episodes(batch: TensorDictBase, done: Tensor, P: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The finished episodes of a collector batch and where each step's token goes.
+
+    Returns ``(n_idx [B], t_idx [B], step_b [N, T], step_col [N, T])``: the row and the step of each kept
+    episode's last step (in row-major order), and for every step the response it belongs to (``-1``: an episode
+    cut by the batch's start or not finished in it) and the response column of its token (its ``position`` minus
+    ``P``: in a multi-turn episode the environment's turns sit between the steps, as holes). An episode is kept
+    when its first step in the batch writes column ``P`` (it started inside the batch)."""
+    N, T = done.shape
+    position = batch.get("position", None)
+    if position is None:  # a batch without the env's observation: one token per step
+        position = batch.get(("next", "position")) - 1
+    position = position.reshape(N, T)
+    episode = done.long().cumsum(1) - done.long()  # [N, T] the episode of each step inside its row
+    n_idx, t_idx = done.nonzero(as_tuple=True)  # one entry per finished episode (host sync: plumbing)
+    same_row = torch.zeros_like(n_idx, dtype=torch.bool)
+    same_row[1:] = n_idx[1:] == n_idx[:-1]
+    start = torch.where(same_row, t_idx.roll(1) + 1, 0)  # the step after the row's previous end, else 0
+    keep = position[n_idx, start] == P
+    n_idx, t_idx = n_idx[keep], t_idx[keep]
+    table = torch.full((N, int(episode.max()) + 1 if episode.numel() else 1), -1, dtype=torch.long,
+                       device=done.device)
+    table[n_idx, episode[n_idx, t_idx]] = torch.arange(n_idx.numel(), device=done.device)
+    step_b = table.gather(1, episode)
+    return n_idx, t_idx, step_b, position - P
 
 
 def _check_prompt_and_budget(batch: TensorDictBase, P: int, M: int) -> None:

@@ -237,6 +237,7 @@ class NextTokenLogits(nn.Module):
         self._cache: KVCache | None = None
         self._cache_len: Tensor | None = None
         self._cache_tokens: Tensor | None = None
+        self._cache_mask: Tensor | None = None
         self._cache_version = -1
         self._cache_autocast: torch.dtype | None = None
         self._params: list[Tensor] | None = None
@@ -244,7 +245,8 @@ class NextTokenLogits(nn.Module):
     def __getstate__(self):  # never pickle the cache into collector workers
         state = self.__dict__.copy()
         state.update(
-            _cache=None, _cache_len=None, _cache_tokens=None, _cache_version=-1, _cache_autocast=None, _params=None
+            _cache=None, _cache_len=None, _cache_tokens=None, _cache_mask=None, _cache_version=-1,
+            _cache_autocast=None, _params=None,
         )
         return state
 
@@ -301,7 +303,7 @@ class NextTokenLogits(nn.Module):
         ):
             cache = self._cache = self.model.new_cache(N, S, device=tokens.device)
             self._cache_len = torch.full((N,), -1, dtype=torch.long, device=tokens.device)
-            self._cache_tokens = None
+            self._cache_tokens = self._cache_mask = None
             self._params = list(self.model.parameters())  # re-read on every rebuild
             self._cache_version = _param_version(self._params)
             self._cache_autocast = getattr(self.model, "autocast_dtype", None)
@@ -323,22 +325,48 @@ class NextTokenLogits(nn.Module):
         cache.v[:, rows] = sub.v
         cache.valid[rows] = sub.valid
 
+    def _catch_up(self, cache: KVCache, tokens, attention_mask, pos_ids, behind: Tensor, last: Tensor) -> None:
+        """Feed the rows ``behind`` the columns between their cache's end and their newest token (an environment
+        turn), in one windowed forward over those rows: the window ends before each row's newest token, so a row
+        with a shorter gap rewrites some cached columns with identical values."""
+        rows = behind.nonzero().squeeze(-1)
+        width = int((last[rows] - self._cache_len[rows]).max())
+        slots = last[rows, None] - width + torch.arange(width, device=tokens.device)  # [n, width], all >= 0
+        sub = KVCache(k=cache.k[:, rows], v=cache.v[:, rows], valid=cache.valid[rows])
+        self.model(
+            tokens[rows].gather(1, slots), attention_mask[rows].gather(1, slots),
+            position_ids=pos_ids[rows].gather(1, slots), cache=sub, cache_slots=slots, compute_logits=False,
+        )  # fmt: skip
+        cache.k[:, rows] = sub.k
+        cache.v[:, rows] = sub.v
+        cache.valid[rows] = sub.valid
+
     def _cached(self, tokens, attention_mask, position):
         N, S = tokens.shape
         cache = self._current_cache(tokens)
         last = position - 1  # [N] column of the newest token
         cols = torch.arange(S, device=tokens.device)
-        stale = self._cache_len != last
+        # A row is behind when its cache holds a prefix of its tokens that ends before the newest token: a
+        # multi-turn env appended its own turn after the row's last token. Its gap is fed, never the whole row.
+        stale = self._cache_len > position  # (== position: a finished row stepped again re-feeds its newest token)
         if self._cache_tokens is not None:
-            stale |= ((tokens != self._cache_tokens) & (cols < self._cache_len[:, None])).any(-1)
+            changed = (tokens != self._cache_tokens) | (attention_mask != self._cache_mask)
+            stale |= (changed & (cols < self._cache_len[:, None])).any(-1)
+        else:
+            stale |= self._cache_len < 0
+        behind = ~stale & (self._cache_len < last)
+        stale = stale | (behind & (last - self._cache_len > last.min()))  # a gap wider than the narrowest row
+        behind = behind & ~stale
         pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
-        # One host sync per step: are there stale rows, and can one windowed forward serve all rows?
+        # One host sync per step: are there stale or behind rows, and can one windowed forward serve all rows?
         # The common case (rows just reset, all at the same prompt end L0, every other row at or
         # beyond it): feed every row its last L0 + 1 columns; fresh rows fill their cache from
         # column 0, the others rewrite L0 cached columns with identical values. One forward, no prefill.
         l0 = torch.where(stale, last, -1).max()
         one_window = (torch.where(stale, last, l0) == l0).all() & (last >= l0).all()
-        n_stale, l0, one_window = torch.stack([stale.sum(), l0, one_window.long()]).tolist()
+        n_stale, l0, one_window, n_behind = torch.stack([stale.sum(), l0, one_window.long(), behind.sum()]).tolist()
+        if n_behind:
+            self._catch_up(cache, tokens, attention_mask, pos_ids, behind, last)
         # window: N (L0 + 1) tokens in one forward; prefill + step: n_stale L0 + N tokens in two
         if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (n_stale * l0 + N):
             slots = last[:, None] - l0 + torch.arange(l0 + 1, device=tokens.device)  # [N, L0 + 1]
@@ -351,7 +379,7 @@ class NextTokenLogits(nn.Module):
                 compute_logits=False,
             )
             self._cache_len = position.clone()
-            self._cache_tokens = tokens.clone()
+            self._cache_tokens, self._cache_mask = tokens.clone(), attention_mask.clone()
             return self._outputs(out.hidden[:, -1])  # the head on the newest token only
         if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
             self._prefill(cache, tokens, attention_mask, pos_ids, stale, last)
@@ -365,7 +393,7 @@ class NextTokenLogits(nn.Module):
             compute_logits=False,
         )
         self._cache_len = position.clone()
-        self._cache_tokens = tokens.clone()
+        self._cache_tokens, self._cache_mask = tokens.clone(), attention_mask.clone()
         return self._outputs(out.hidden[:, 0])
 
 

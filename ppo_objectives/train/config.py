@@ -78,7 +78,12 @@ ADVANTAGE_DEFAULTS: dict[str, dict] = {
 #: tasks (pretrained recipe): the built-in arithmetic family (:data:`~ppo_objectives.train.text.ARITHMETIC_TASKS`)
 #: and the user's JSONL file (``--prompts``).
 DIGIT_TASKS = ("reverse", "copy", "add")
-TEXT_TASKS = ("chat-add1", "chat-add2", "jsonl")
+TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "jsonl")
+
+#: The multi-turn budgets of ``chat-calc`` (a call, the tool's result, the answer; one retry after a malformed call),
+#: for the flags left unset. ``--max-new-tokens`` is the whole conversation's budget: three turns of 16 tokens and two
+#: tool turns of about 15.
+TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16)}
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
@@ -105,13 +110,21 @@ class TrainConfig:
     allow_change: str = _f("", "with --resume: flags (comma-separated, e.g. lr,kl-reward-coeff) allowed to differ from the "
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
-                              "two-digit addition as chat questions (needs --model with a tokenizer); jsonl: your "
-                              "prompts (--prompts, --reward, --eval-prompts)", choices=TASKS)
+                              "two-digit addition as chat questions (needs --model with a tokenizer); chat-calc: "
+                              "two-digit multiplication with a calc(a*b) tool, multi-turn; jsonl: your prompts "
+                              "(--prompts, --reward, --eval-prompts, --tool)", choices=TASKS)
     digits: int = _f(3, "digits per operand of the toy task")
     prompts: str = _f("", "--task jsonl: training prompts, one JSON object per line with 'prompt' (a string or "
                           "chat messages) and the reward's fields")
     reward: str = _f("", "--task jsonl: the reward, FILE.py:function called as function(completion, **fields)")
     eval_prompts: str = _f("", "--task jsonl: held-out prompts (same format as --prompts); none: no evaluation")
+    tool: str = _f("", "--task jsonl: the environment's turn, FILE.py:function called as function(messages, "
+                       "**fields) after each assistant turn; it returns the next message (a str) or None to end the "
+                       "episode. Makes the task multi-turn: its messages are holes in the response")
+    max_turns: int = _f(None, "multi-turn tasks: the assistant's turns per episode (0: as many as --max-new-tokens "
+                              "allows) [default: chat-calc 3, --tool 0]")
+    max_turn_tokens: int = _f(None, "multi-turn tasks: tokens per assistant turn (0: --max-new-tokens) [default: "
+                                    "chat-calc 16, --tool 0]")
     max_new_tokens: int = _rf("max_new_tokens", "text tasks: response budget M (the toy task's is its answer length)")
     eval_every: int = _rf("eval_every", "text tasks: held-out greedy and sampled accuracy every N iterations (and at "
                                         "the start and the end; 0: start and end only)")
@@ -235,8 +248,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.lora_rank and self.lr is None:
             self.lr = LORA_LR
-        for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *RECIPES[self.recipe].items(),
-                            ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
+        for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *TASK_DEFAULTS.get(self.task, {}).items(),
+                            *RECIPES[self.recipe].items(), ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self._check_advantage()
@@ -374,6 +387,31 @@ class TrainConfig:
                              "the tokenizer and the reward run in this process only; use --workers 1 "
                              "--collector-backend process (or torchrun for data parallelism)")
         _validate.check_int("max_new_tokens", self.max_new_tokens, low=1, where="TrainConfig ")
+        self._check_turns()
+
+    @property
+    def multi_turn(self) -> bool:
+        """The task has an environment's turn: ``chat-calc``, or ``--task jsonl --tool``."""
+        return self.task == "chat-calc" or bool(self.tool)
+
+    def _check_turns(self) -> None:
+        """``--tool`` belongs to ``--task jsonl``; the turn budgets to a multi-turn task, and fit ``--max-new-tokens``."""
+        if self.tool and self.task != "jsonl":
+            raise ValueError(f"--tool adds the environment's turn to your own prompts (--task jsonl), but --task is "
+                             f"{self.task}" + (", which has its own calc tool" if self.task == "chat-calc" else
+                                               ", a single-turn task") + "; use --task jsonl or drop --tool")
+        given = [(f, v) for f, v in (("--max-turns", self.max_turns), ("--max-turn-tokens", self.max_turn_tokens))
+                 if v is not None]
+        if not self.multi_turn:
+            if given:
+                raise ValueError(f"{given[0][0]} budgets the turns of a multi-turn task, and --task {self.task} has "
+                                 f"one turn; give --tool FILE.py:function (with --task jsonl) or drop {given[0][0]}")
+            return
+        for flag, value in given:
+            _validate.check_int(flag.lstrip("-").replace("-", "_"), value, low=0, where="TrainConfig ")
+        if (self.max_turn_tokens or 0) > self.max_new_tokens:
+            raise ValueError(f"--max-turn-tokens {self.max_turn_tokens} exceeds --max-new-tokens {self.max_new_tokens}, "
+                             f"the whole conversation's budget; lower it or raise --max-new-tokens")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -428,7 +466,8 @@ _HELP_GROUPS = {
 _GROUP_MEMBERS = {
     "run": ("iterations", "seed", "device", "resume", "allow_change", "time_limit"),
     "model": ("preset", "model", "token_map", "dtype", "reference_dtype", "grad_checkpointing", "lora_rank"),
-    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "max_new_tokens", "eval_every", "eval_samples",
+    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "tool", "max_turns", "max_turn_tokens",
+             "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
             "aggregation", "early_stop_kl",

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from ppo_objectives.train.config import LOGGERS, TrainConfig
 from ppo_objectives.train.monitor import FLAGS
-from ppo_objectives.train.text_job import EVAL_COLUMNS
+from ppo_objectives.train.text_job import EVAL_COLUMNS, EVAL_TURN_COLUMNS
 
 # --------------------------------------------------------------------------- #
 # The metrics CSV
@@ -35,9 +35,16 @@ METRICS = (
 )  # fmt: skip
 
 
+#: The columns a multi-turn task adds (``--task chat-calc``, ``--tool``): the rollout's turns and the held-out ones.
+TURN_COLUMNS = ("turns", "turn_tokens", *EVAL_TURN_COLUMNS)
+
+
 def columns(cfg: TrainConfig) -> tuple[str, ...]:
-    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks."""
-    return (*METRICS, *EVAL_COLUMNS) if cfg.recipe == "pretrained" else METRICS
+    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks, plus
+    :data:`TURN_COLUMNS` for multi-turn tasks."""
+    if cfg.recipe != "pretrained":
+        return METRICS
+    return (*METRICS, *EVAL_COLUMNS, *(TURN_COLUMNS if cfg.multi_turn else ()))
 
 
 

@@ -70,7 +70,7 @@ from ppo_objectives.train.loggers import (METRICS, append_metrics, close_logger,
                                          read_metrics, warn_line)
 from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
 from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
-from ppo_objectives.train.text_job import EVAL_COLUMNS
+from ppo_objectives.train.text_job import EVAL_COLUMNS, EVAL_TURN_COLUMNS
 from ppo_objectives.train.update import ppo_update
 
 #: ``callback(row, run) -> bool | None``: see the module docstring.
@@ -131,7 +131,8 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             roll = rollout_stats(llm, run.kl_transform, pg)
             coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
             n_tok = roll.pop("tokens")
-            row = dict(iteration=it + 1, **roll, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
+            turns = {k: roll.pop(k) for k in ("turns", "turn_tokens")}  # columns of a multi-turn task
+            row = dict(iteration=it + 1, **roll, **(turns if cfg.multi_turn else {}), kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
                        reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
                        **stats)  # fmt: skip
             if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)
@@ -198,7 +199,7 @@ def _evaluate_if_due(run: Run, iteration: int, last: bool, train_s: float) -> di
     else:
         due = bool(cfg.eval_every) and iteration % cfg.eval_every == 0
     if not (due or last):
-        return dict.fromkeys(EVAL_COLUMNS, math.nan)
+        return dict.fromkeys((*EVAL_COLUMNS, *(EVAL_TURN_COLUMNS if cfg.multi_turn else ())), math.nan)
     return run.evaluation(run.ac.actor_model, iteration, "after the update")
 
 

@@ -125,8 +125,10 @@ def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTra
 def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform | None, pg) -> dict:
     """The rollout's metrics, over the responses of every rank (one all-reduce under torchrun); ``kl_ref`` and
     ``seq_kl`` are nan without a ``kl_transform`` (no reference)."""
-    score, B = llm["score"], llm.batch_size[0]
-    n_tok = llm["mask"].sum()
+    score, B, mask = llm["score"], llm.batch_size[0], llm["mask"]
+    n_tok = mask.sum()
+    previous = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    n_turns = (mask & ~previous).sum()  # the assistant's turns: the runs of the mask
     nan = torch.tensor(float("nan"), device=score.device)
     last_kl, last_seq_kl = (nan, nan) if kl_transform is None else (kl_transform.last_kl, kl_transform.last_seq_kl)
     if pg is None:
@@ -134,10 +136,11 @@ def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform | None, 
             reward=float(score.mean()), exact=float((score >= 1.0).float().mean()),
             response_len=int(n_tok) / max(B, 1), episodes=B, kl_ref=float(last_kl),
             seq_kl=float(last_seq_kl), seq_kl_t=last_seq_kl, tokens=int(n_tok),
+            turns=int(n_turns) / max(B, 1), turn_tokens=int(n_tok) / max(int(n_turns), 1),
         )  # fmt: skip
     v = torch.stack([
         score.sum(), (score >= 1.0).sum(), n_tok, torch.tensor(B, device=score.device),
-        last_kl.to(score.device), last_seq_kl.to(score.device) * B,
+        last_kl.to(score.device), last_seq_kl.to(score.device) * B, n_turns,
     ]).to(torch.float64)  # fmt: skip
     total = all_reduce(v, pg).tolist()
     episodes = max(total[3], 1.0)
@@ -146,5 +149,5 @@ def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform | None, 
         reward=total[0] / episodes, exact=total[1] / episodes, response_len=total[2] / episodes,
         episodes=int(total[3]), kl_ref=total[4] / dist.get_world_size(pg), seq_kl=seq_kl,
         seq_kl_t=torch.tensor(seq_kl, dtype=torch.float32, device=last_seq_kl.device),
-        tokens=int(total[2]),
+        tokens=int(total[2]), turns=total[6] / episodes, turn_tokens=total[2] / max(total[6], 1.0),
     )  # fmt: skip

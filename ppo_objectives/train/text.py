@@ -15,7 +15,7 @@ Where the examples come from:
   ``chat-add2``: two-digit addition), scored by :func:`number_reward`.
 - :func:`read_prompts_jsonl`: a user's file, one JSON object per line with a
   ``prompt`` (a string or a list of ``{"role", "content"}`` messages) and any
-  other fields; :func:`load_reward` reads ``FILE.py:function``.
+  other fields; :func:`load_function` reads ``FILE.py:function`` (the reward, and the tool of a multi-turn task).
 
 Every bad input is an error naming the file, the line and the fix; nothing is
 skipped. :func:`evaluate` measures greedy and sampled accuracy on held-out
@@ -68,7 +68,7 @@ __all__ = [
     "TextTask",
     "arithmetic_examples",
     "evaluate",
-    "load_reward",
+    "load_function",
     "number_reward",
     "read_prompts_jsonl",
 ]
@@ -224,56 +224,58 @@ def read_prompts_jsonl(path) -> list[TextExample]:
     return examples
 
 
-def load_reward(spec: str) -> Callable[..., float]:
-    """The reward function named by ``"FILE.py:function"``, imported from that file.
+def load_function(spec: str, flag: str = "--reward") -> Callable:
+    """The function named by ``"FILE.py:function"``, imported from that file (``flag`` names the option in errors).
 
-    It is called as ``function(completion: str, **fields) -> float`` on every finished
-    response (``fields``: the prompt's other JSONL fields). The file must be a Python file
-    (``.py``); it is executed once per process while it stays unchanged (the job's launch
-    check and its run share the import).
+    ``--reward``: called as ``function(completion: str, **fields) -> float`` on every finished
+    response (``fields``: the prompt's other JSONL fields). ``--tool``: called as
+    ``function(messages, **fields) -> str | None`` after every assistant turn. The file must be a
+    Python file (``.py``); it is executed once per process while it stays unchanged (the job's
+    launch check and its run share the import).
 
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "r.py")
         >>> from pathlib import Path
-        >>> _ = Path(path).write_text("def exact(completion, answer):\\n    return float(completion.strip() == str(answer))\\n")
-        >>> load_reward(f"{path}:exact")("4", answer=4)
+        >>> _ = Path(path).write_text("def exact(completion, answer):\n    return float(completion.strip() == str(answer))\n")
+        >>> load_function(f"{path}:exact")("4", answer=4)
         1.0
     """
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"--reward {spec!r} must be FILE.py:function, e.g. --reward my_rewards.py:score")
+        raise ValueError(f"{flag} {spec!r} must be FILE.py:function, e.g. {flag} my_{flag.strip('-')}s.py:score")
     file, name = spec.rsplit(":", 1)
     path = Path(file)
     if not path.is_file():
-        raise FileNotFoundError(f"--reward {spec}: no such file {path}; give FILE.py:function")
+        raise FileNotFoundError(f"{flag} {spec}: no such file {path}; give FILE.py:function")
     if path.suffix != ".py":
-        raise ValueError(f"--reward {spec}: {path} is not a Python file (.py); write the reward as a function in a "
-                         f".py file and give FILE.py:function")
-    module = _reward_module(path, spec)
+        raise ValueError(f"{flag} {spec}: {path} is not a Python file (.py); write the function in a .py file and "
+                         f"give FILE.py:function")
+    module = _function_module(path, spec, flag)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"--reward {spec}: {path} has no function {name!r} (its functions: {found})")
+        raise ValueError(f"{flag} {spec}: {path} has no function {name!r} (its functions: {found})")
     return fn
 
 
-#: The reward modules imported so far: ``(resolved path, mtime_ns, size) -> module`` (an unchanged file runs once).
-_REWARD_MODULES: dict[tuple, object] = {}
+#: The modules of ``--reward`` / ``--tool`` files imported so far: ``(resolved path, mtime_ns, size) -> module`` (an
+#: unchanged file runs once).
+_FUNCTION_MODULES: dict[tuple, object] = {}
 
 
-def _reward_module(path: Path, spec: str):
-    """The module of the reward file ``path``, executed on its first use while the file is unchanged."""
+def _function_module(path: Path, spec: str, flag: str):
+    """The module of the file ``path``, executed on its first use while the file is unchanged."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    if key not in _REWARD_MODULES:
-        module_spec = importlib.util.spec_from_file_location(f"_ppo_reward_{path.stem}", path)
+    if key not in _FUNCTION_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"_ppo_user_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
         except Exception as err:
-            raise ImportError(f"--reward {spec}: importing {path} failed: {type(err).__name__}: {err}") from err
-        _REWARD_MODULES[key] = module
-    return _REWARD_MODULES[key]
+            raise ImportError(f"{flag} {spec}: importing {path} failed: {type(err).__name__}: {err}") from err
+        _FUNCTION_MODULES[key] = module
+    return _FUNCTION_MODULES[key]
 
 
 # --------------------------------------------------------------------------- #
@@ -292,12 +294,31 @@ def check_reward_signature(reward: Callable, examples: Sequence[TextExample]) ->
         sig = inspect.signature(reward)
     except (TypeError, ValueError):  # a builtin without a signature: checked when called
         return
+    extra = {"messages": []} if "messages" in sig.parameters else {}
     for ex in examples:
         try:
-            sig.bind("", **ex.fields)
+            sig.bind("", **ex.fields, **extra)
         except TypeError as err:
             raise TypeError(
                 f"{ex.source}: the reward {_reward_name(reward)}{sig} cannot be called as reward(completion, "
+                f"**{sorted(ex.fields)}): {err}; give the function a parameter for each field (or **fields), or "
+                f"fix the line's fields"
+            ) from None
+
+
+def check_tool_signature(tool: Callable, examples: Sequence[TextExample]) -> None:
+    """Every example's fields bind to the tool's parameters, after the conversation (checked once, before any
+    rollout, as :func:`check_reward_signature`)."""
+    try:
+        sig = inspect.signature(tool)
+    except (TypeError, ValueError):
+        return
+    for ex in examples:
+        try:
+            sig.bind([], **ex.fields)
+        except TypeError as err:
+            raise TypeError(
+                f"{ex.source}: the tool {_reward_name(tool)}{sig} cannot be called as tool(messages, "
                 f"**{sorted(ex.fields)}): {err}; give the function a parameter for each field (or **fields), or "
                 f"fix the line's fields"
             ) from None
@@ -323,10 +344,23 @@ class TextTask:
         chat_template: render prompts with ``tokenizer.apply_chat_template(...,
             add_generation_prompt=True)`` (default).
         name: shown in messages and logs.
+        tool: makes the task **multi-turn**: ``tool(messages, **fields) -> str | None`` is
+            called at the end of each assistant turn with the conversation so far (chat
+            messages: the prompt's, then the assistant's and the environment's turns) and
+            returns the environment's next message, or ``None`` to end the episode. The
+            message is rendered with the chat template as a ``env_role`` turn and appended
+            to the row's tokens as a hole (:meth:`env_turn`). The reward is then called on
+            the last assistant message, with ``messages=`` (the whole conversation) when it
+            has a ``messages`` parameter.
+        max_turns / max_turn_tokens: the assistant's turns per episode and tokens per turn
+            (multi-turn; ``max_new_tokens`` is then the whole conversation's budget).
+        env_role: the chat role of the environment's messages (multi-turn).
     """
 
     def __init__(self, examples: Sequence[TextExample], reward: Callable[..., float], tokenizer, *,
-                 max_new_tokens: int, chat_template: bool = True, name: str = "text"):
+                 max_new_tokens: int, chat_template: bool = True, name: str = "text",
+                 tool: Callable[..., str | None] | None = None, max_turns: int | None = None,
+                 max_turn_tokens: int | None = None, env_role: str = "user"):
         if not examples:
             raise ValueError(f"TextTask {name}: no examples; give at least one prompt")
         if not callable(reward):
@@ -338,6 +372,7 @@ class TextTask:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(tokenizer)
         check_reward_signature(reward, self.examples)
+        self._set_tool(tool, max_turns, max_turn_tokens, env_role, chat_template)
         rows = [torch.tensor(self._encode(ex, chat_template), dtype=torch.long) for ex in self.examples]
         self.prompt_len = max(r.numel() for r in rows)
         self.prompt_ids = torch.full((len(rows), self.prompt_len), self.pad_id, dtype=torch.long)  # [E, P]
@@ -374,13 +409,15 @@ class TextTask:
         return [self.tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
                 for r, m in zip(response_ids.cpu(), response_mask.bool().cpu())]
 
-    def score(self, completions: Sequence[str], prompt_id: Tensor) -> Tensor:
-        """``reward(completion, **fields)`` of each completion, ``[k]`` float32, checked."""
+    def score(self, completions: Sequence[str], prompt_id: Tensor, chats: Sequence[list] | None = None) -> Tensor:
+        """``reward(completion, **fields)`` of each completion, ``[k]`` float32, checked (``chats``: passed as
+        ``messages=``)."""
         out = []
-        for text, i in zip(completions, prompt_id.tolist()):
+        for j, (text, i) in enumerate(zip(completions, prompt_id.tolist())):
             ex = self.examples[i]
+            extra = {} if chats is None else {"messages": chats[j]}
             try:
-                value = self.reward_fn(text, **ex.fields)
+                value = self.reward_fn(text, **ex.fields, **extra)
             except Exception as err:
                 raise RuntimeError(
                     f"{ex.source}: the reward {_reward_name(self.reward_fn)} raised {type(err).__name__}: {err} on "
@@ -396,13 +433,130 @@ class TextTask:
         return torch.tensor(out, dtype=torch.float32)
 
     def reward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-               prompt_id: Tensor) -> Tensor:
-        """The env's reward: the decoded completions scored against their examples' fields, ``[k]``."""
-        return self.score(self.completions(response_ids, response_mask), prompt_id).to(response_ids.device)
+               prompt_id: Tensor, conversation: Sequence[list] | None = None) -> Tensor:
+        """The env's reward: the decoded completions scored against their examples' fields, ``[k]``. Multi-turn
+        (``conversation``: the tool's replies of each row): the last assistant message is the completion, and the
+        reward gets the whole conversation as ``messages=`` when it takes it."""
+        if conversation is None:
+            return self.score(self.completions(response_ids, response_mask), prompt_id).to(response_ids.device)
+        chats = [self.messages(i, r.cpu(), m.bool().cpu(), c)
+                 for i, r, m, c in zip(prompt_id.tolist(), response_ids, response_mask, conversation)]
+        return self.score_conversations(chats, prompt_id).to(response_ids.device)
+
+    def score_conversations(self, chats: Sequence[list[dict]], prompt_id: Tensor) -> Tensor:
+        """:meth:`score` of each conversation's last assistant message (``""`` if it has none), with
+        ``messages=`` the conversation when the reward takes it."""
+        last = [next((m["content"] for m in reversed(c) if m["role"] == "assistant"), "") for c in chats]
+        return self.score(last, prompt_id, chats if self._reward_takes_messages else None)
 
     def prompt_text(self, i: int) -> str:
         """The rendered prompt of example ``i`` (special tokens kept)."""
         return self.tokenizer.decode(self.prompt_ids[i][self.prompt_mask[i]].tolist())
+
+    # ------------------------------------------------------------------- #
+    # Multi-turn: the tool's turns
+    # ------------------------------------------------------------------- #
+
+    def _set_tool(self, tool, max_turns, max_turn_tokens, env_role: str, chat_template: bool) -> None:
+        self.tool, self.max_turns, self.max_turn_tokens, self.env_role = tool, max_turns, max_turn_tokens, env_role
+        #: ``TokenLMEnv.from_task`` makes the env multi-turn when this is set (``None``: one turn).
+        self.env_turn = None
+        if tool is None:
+            given = [n for n, v in (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens)) if v is not None]
+            if given:
+                raise ValueError(f"TextTask {self.name}: {given[0]} budgets the turns of a multi-turn task, and this "
+                                 f"task has one turn (no tool); pass tool= or drop {given[0]}")
+            return
+        if not callable(tool):
+            raise TypeError(f"TextTask tool must be callable (messages, **fields) -> str | None, got {tool!r}")
+        if not chat_template:
+            raise ValueError(f"TextTask {self.name}: a tool needs the chat template (its turns are rendered with it); "
+                             f"drop chat_template=False")
+        check_tool_signature(tool, self.examples)
+        self.env_turn = self._env_turn
+        self._reward_takes_messages = "messages" in _parameters(self.reward_fn)
+
+    def messages(self, prompt_id: int, response_ids: Tensor, assistant_mask: Tensor, conversation: Sequence[str]
+                 ) -> list[dict]:
+        """The conversation of one row: the prompt's messages, then its assistant turns (the runs of
+        ``assistant_mask``, decoded without special tokens) each followed by the environment's message of the same
+        turn in ``conversation`` (the tool's replies so far)."""
+        messages = self.examples[prompt_id].messages()
+        for k, run in enumerate(_runs(assistant_mask)):
+            text = self.tokenizer.decode(response_ids[run].tolist(), skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+            if k < len(conversation):
+                messages.append({"role": self.env_role, "content": conversation[k]})
+        return messages
+
+    def _env_turn(self, response_ids: Tensor, assistant_mask: Tensor, *, conversation: list, prompt_id: int
+                  ) -> Tensor | None:
+        """The env's turn (``TokenLMEnv(env_turn_fn=)``): the tool's reply to the conversation as token ids, or
+        ``None``; the reply is appended to ``conversation``."""
+        messages = self.messages(prompt_id, response_ids, assistant_mask, conversation)
+        reply = self._call_tool(messages, prompt_id)
+        if reply is None:
+            return None
+        conversation.append(reply)
+        closed = bool(response_ids.numel()) and int(response_ids[-1]) == self.eos_id
+        return torch.tensor(self.env_turn_ids(messages, reply, closed=closed), dtype=torch.long)
+
+    def _call_tool(self, messages: list[dict], prompt_id: int) -> str | None:
+        ex, name = self.examples[prompt_id], _reward_name(self.tool)
+        try:
+            reply = self.tool(messages, **ex.fields)
+        except Exception as err:
+            raise RuntimeError(
+                f"{ex.source}: the tool {name} raised {type(err).__name__}: {err} on the conversation ending "
+                f"{messages[-1]['content']!r}; make it return a message (e.g. an error message for the model) or "
+                f"None for any conversation"
+            ) from err
+        if reply is not None and not isinstance(reply, str):
+            raise ValueError(f"{ex.source}: the tool {name} returned {reply!r} ({type(reply).__name__}); it must "
+                             f"return the environment's next message as a str, or None to end the episode")
+        return reply
+
+    def env_turn_ids(self, messages: list[dict], reply: str, *, closed: bool) -> list[int]:
+        """The token ids of the environment's turn ``reply`` after ``messages`` (whose last message is the
+        assistant's turn): the chat template's rendering of the conversation with the reply (and the generation
+        prompt) minus its rendering without it, preceded by what closes the assistant's turn that the model did not
+        write (``closed``: the turn ended with the end-of-turn token). Never a re-tokenisation of the conversation.
+
+        Example (SmolLM2's template: the turn ended with ``<|im_end|>``, so the hole starts with the newline the
+        template writes after it): ``"\n<|im_start|>user\ncalc result: 943<|im_end|>\n<|im_start|>assistant\n"``.
+        """
+        render = self.tokenizer.apply_chat_template
+        without = render(messages, tokenize=False)
+        with_reply = render(messages + [{"role": self.env_role, "content": reply}], tokenize=False,
+                            add_generation_prompt=True)
+        head = render(messages[:-1], tokenize=False, add_generation_prompt=True) + messages[-1]["content"]
+        if not (with_reply.startswith(without) and without.startswith(head)):
+            raise ValueError(
+                f"TextTask {self.name}: the chat template does not render a conversation as the rendering of its "
+                f"first messages followed by the next one, so the environment's turn cannot be appended as tokens; "
+                f"use a template that renders each message in turn (no message rewritten by a later one)"
+            )
+        tail = without[len(head):]  # what the template writes after the assistant's text (its end-of-turn)
+        eos = self.tokenizer.decode([self.eos_id])
+        if closed and tail.startswith(eos):
+            tail = tail[len(eos):]
+        return self.tokenizer(tail + with_reply[len(without):], add_special_tokens=False)["input_ids"]
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _runs(mask: Tensor) -> list[Tensor]:
+    """The column indices of each run of True in a 1-D ``mask``, in order."""
+    idx = mask.bool().nonzero().squeeze(-1)
+    if not idx.numel():
+        return []
+    breaks = (idx[1:] != idx[:-1] + 1).nonzero().squeeze(-1) + 1
+    return list(torch.tensor_split(idx, breaks.tolist()))
 
 
 def _eos_id(tokenizer) -> int:
@@ -422,17 +576,22 @@ def _eos_id(tokenizer) -> int:
 
 @dataclass
 class EvalResult:
-    """What :func:`evaluate` measured: the mean reward and every completion with its reward."""
+    """What :func:`evaluate` measured: the mean reward and every completion with its reward; for a multi-turn task
+    also every conversation (its chat messages), and ``completions`` shows the turns after the prompt."""
 
     accuracy: float
     completions: list[str]
     rewards: list[float]
+    conversations: list[list[dict]] | None = None
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator: torch.Generator | None = None,
              samples: int = 1, batch_size: int = 64, temperature: float = 1.0) -> EvalResult:
     """Mean reward of ``model`` on every example of ``task`` (the accuracy for 0/1 rewards).
+
+    A multi-turn task (one with a ``tool``) is answered whole conversations at a time, by the
+    same :class:`~ppo_objectives.llm.env.TokenLMEnv` the training rolls out in (each example once).
 
     Greedy (``greedy=True``: the argmax token at each step; ``temperature`` does not change it) or
     sampled at ``temperature`` (default 1; the job passes its ``--temperature``) from the
@@ -449,6 +608,12 @@ def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    if task.env_turn is not None:
+        try:
+            return _evaluate_turns(model, task, idx, greedy=greedy, generator=generator, batch_size=batch_size,
+                                   temperature=temperature)
+        finally:
+            model.train(was_training)
     texts: list[str] = []
     try:
         for chunk in idx.split(batch_size):
@@ -461,3 +626,44 @@ def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator:
         model.train(was_training)
     rewards = task.score(texts, idx).tolist()
     return EvalResult(sum(rewards) / max(len(rewards), 1), texts, rewards)
+
+
+def _evaluate_turns(model: torch.nn.Module, task: TextTask, idx: Tensor, *, greedy: bool,
+                    generator: torch.Generator | None, batch_size: int, temperature: float) -> EvalResult:
+    """:func:`evaluate` of a multi-turn task: the examples ``idx`` in chunks of ``batch_size`` env rows, each row
+    one conversation (greedy or sampled at ``temperature``), scored by the env's reward."""
+    from ppo_objectives.llm.env import TokenLMEnv
+    from ppo_objectives.llm.policy import NextTokenLogits
+
+    device = next(model.parameters()).device
+    head = NextTokenLogits(model, temperature=temperature)
+    vocab = max(len(task.tokenizer), getattr(model, "vocab_size", 0) or 0)
+    chats, rewards = [], []
+    for chunk in idx.split(batch_size):
+        source = {"input_ids": task.prompt_ids[chunk], "attention_mask": task.prompt_mask[chunk], "prompt_id": chunk}
+        env = TokenLMEnv(lambda k, g, s=source: s, task.reward, num_envs=chunk.numel(), prompt_len=task.prompt_len,
+                         max_new_tokens=task.answer_len, vocab_size=vocab, eos_id=task.eos_id, pad_id=task.pad_id,
+                         device=device, env_turn_fn=task.env_turn, max_turns=task.max_turns,
+                         max_turn_tokens=task.max_turn_tokens)
+        td = env.reset()
+        reward = torch.zeros(chunk.numel(), device=device)
+        while not bool(td["done"].all()):
+            logp = torch.log_softmax(head(td["tokens"], td["attention_mask"], td["position"]), -1)
+            td["action"] = (logp.argmax(-1) if greedy else
+                            torch.multinomial(logp.exp().cpu(), 1, generator=generator).squeeze(-1).to(device))
+            nxt = env.step(td)["next"]
+            newly = (nxt["done"] & ~td["done"]).squeeze(-1)
+            reward = torch.where(newly, nxt["reward"].squeeze(-1), reward)
+            td = nxt
+        P = task.prompt_len
+        for row, i in enumerate(chunk.tolist()):
+            chats.append(task.messages(i, td["tokens"][row, P:].cpu(), td["assistant_mask"][row, P:].cpu(),
+                                       env.conversation(row)))
+        rewards += reward.tolist()
+    shown = [_after_prompt(c, len(task.examples[int(i)].messages())) for c, i in zip(chats, idx)]
+    return EvalResult(sum(rewards) / max(len(rewards), 1), shown, rewards, chats)
+
+
+def _after_prompt(chat: list[dict], n_prompt: int) -> str:
+    """The turns of a conversation after its prompt, one ``role: content`` per turn, joined by ``" | "``."""
+    return " | ".join(f"{m['role']}: {m['content']}" for m in chat[n_prompt:])

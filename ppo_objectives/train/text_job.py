@@ -1,6 +1,6 @@
 """What the training job adds for text tasks on a pretrained checkpoint (internal to ``train``).
 
-The tasks from the flags (``--task chat-add1 | chat-add2 | jsonl``), the held-out
+The tasks from the flags (``--task chat-add1 | chat-add2 | chat-calc | jsonl``, ``--tool``), the held-out
 evaluation every ``--eval-every`` iterations with its samples log, and the export
 of the trained actor as a Hugging Face directory. ``ppo_objectives/train/``
 calls these; the text tasks themselves are :mod:`ppo_objectives.train.text`.
@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 
 from ppo_objectives.llm.lora import merged_hf_model
+from ppo_objectives.train.calc import calc_examples, calc_tool, tool_calls_well_formed
 from ppo_objectives.train.pretrained import CONVERTER, check_checkpoint_dir, has_tokenizer, load_tokenizer
 from ppo_objectives.train.text import (
     TextTask,
     arithmetic_examples,
     check_reward_signature,
+    check_tool_signature,
     evaluate,
-    load_reward,
+    load_function,
     number_reward,
     read_prompts_jsonl,
 )
@@ -37,12 +39,16 @@ SAMPLES_SHOWN = 6
 #: The evaluation columns a text run adds to ``metrics.csv`` (nan on iterations without an evaluation).
 EVAL_COLUMNS = ("eval_greedy", "eval_sampled", "eval_s")
 
+#: The evaluation columns of a multi-turn run: the greedy conversations' assistant turns, and (``chat-calc``) the
+#: fraction of them whose tool calls were all well-formed, at least one (nan for a ``--tool`` of your own).
+EVAL_TURN_COLUMNS = ("eval_turns", "eval_tool_calls")
+
 
 #: ``--eval-prompts none``: no held-out evaluation (as when the flag is not given).
 NO_EVAL = "none"
 
 #: The flags that name input files whose content a checkpoint records (:func:`input_sha256`).
-INPUT_FILES = ("prompts", "reward", "eval_prompts")
+INPUT_FILES = ("prompts", "reward", "eval_prompts", "tool")
 
 
 def check_inputs(cfg) -> None:
@@ -74,22 +80,29 @@ def _no_tokenizer(cfg) -> ValueError:
     )
 
 
-def _text_inputs(cfg) -> tuple[list, object, list | None]:
-    """``(training examples, reward, held-out examples or None)`` of ``--task``, checked: the reward binds every
-    example's fields, and no held-out prompt is a training prompt."""
+def _text_inputs(cfg) -> tuple[list, object, list | None, object]:
+    """``(training examples, reward, held-out examples or None, tool or None)`` of ``--task``, checked: the reward
+    and the tool bind every example's fields, and no held-out prompt is a training prompt."""
+    tool = None
     if cfg.task == "jsonl":
-        train, reward = _read_prompts("--prompts", cfg.prompts), load_reward(cfg.reward)
+        train, reward = _read_prompts("--prompts", cfg.prompts), load_function(cfg.reward, "--reward")
         held_out = _read_prompts("--eval-prompts", cfg.eval_prompts) if cfg.eval_prompts not in ("", NO_EVAL) else None
+        tool = load_function(cfg.tool, "--tool") if cfg.tool else None
+    elif cfg.task == "chat-calc":
+        train, reward, tool = calc_examples("train"), number_reward, calc_tool
+        held_out = calc_examples("eval")
     else:
         train, reward = arithmetic_examples(cfg.task, "train"), number_reward
         held_out = arithmetic_examples(cfg.task, "eval")
-    try:
-        check_reward_signature(reward, train + (held_out or []))
-    except TypeError as err:
-        raise TypeError(f"--reward {cfg.reward}: {err}") from None
+    for flag, check, fn in (("--reward", check_reward_signature, reward), ("--tool", check_tool_signature, tool)):
+        try:
+            if fn is not None:
+                check(fn, train + (held_out or []))
+        except TypeError as err:
+            raise TypeError(f"{flag} {getattr(cfg, flag[2:])}: {err}") from None
     if held_out is not None:
         _check_disjoint(train, held_out)
-    return train, reward, held_out
+    return train, reward, held_out, tool
 
 
 def _read_prompts(flag: str, path: str) -> list:
@@ -112,7 +125,8 @@ def input_sha256(cfg) -> dict[str, str]:
     if cfg.task != "jsonl":
         return {}
     files = {flag: getattr(cfg, flag) for flag in INPUT_FILES}
-    files["reward"] = files["reward"].rsplit(":", 1)[0]  # FILE.py:function
+    for flag in ("reward", "tool"):  # FILE.py:function
+        files[flag] = files[flag].rsplit(":", 1)[0]
     return {flag: hashlib.sha256(Path(path).read_bytes()).hexdigest() for flag, path in files.items()
             if path not in ("", NO_EVAL) and Path(path).is_file()}
 
@@ -124,8 +138,10 @@ def build_text_tasks(cfg) -> tuple[TextTask, TextTask | None]:
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
         raise _no_tokenizer(cfg)
-    train, reward, held_out = _text_inputs(cfg)
+    train, reward, held_out, tool = _text_inputs(cfg)
     kw = dict(max_new_tokens=cfg.max_new_tokens)
+    if tool is not None:
+        kw.update(tool=tool, max_turns=cfg.max_turns or None, max_turn_tokens=cfg.max_turn_tokens or None)
     return (TextTask(train, reward, tokenizer, name=cfg.task, **kw),
             None if held_out is None else TextTask(held_out, reward, tokenizer, name=f"{cfg.task} held-out", **kw))
 
@@ -156,6 +172,7 @@ class HeldOutEvaluation:
 
     def __init__(self, task: TextTask | None, cfg, out: Path, main: bool):
         self.task, self.samples, self.main = task, cfg.eval_samples, main
+        self.well_formed = tool_calls_well_formed if cfg.task == "chat-calc" else None
         self.temperature = cfg.temperature
         self.path = out / "samples.txt"
         self.generator = torch.Generator().manual_seed(cfg.seed + EVAL_SEED_OFFSET)
@@ -177,7 +194,10 @@ class HeldOutEvaluation:
                            temperature=self.temperature)
         if self.main:
             self._log(iteration, what, greedy, sampled)
-        return dict(eval_greedy=greedy.accuracy, eval_sampled=sampled.accuracy, eval_s=time.perf_counter() - t0)
+        row = dict(eval_greedy=greedy.accuracy, eval_sampled=sampled.accuracy, eval_s=time.perf_counter() - t0)
+        if greedy.conversations is not None:
+            row.update(_turn_columns(greedy.conversations, self.task, self.well_formed))
+        return row
 
     def _log(self, iteration: int, what: str, greedy, sampled) -> None:
         lines = [f"=== iteration {iteration} ({what}): held-out greedy {greedy.accuracy:.3f}, "
@@ -190,6 +210,16 @@ class HeldOutEvaluation:
             lines.append(f"  sampled ({sampled.rewards[j]:g}): {_one_line(sampled.completions[j])}")
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n\n")
+
+
+def _turn_columns(chats: list[list[dict]], task: TextTask, well_formed) -> dict[str, float]:
+    """``eval_turns`` (assistant turns per conversation) and ``eval_tool_calls`` (the fraction whose tool calls were
+    well-formed; nan without a ``well_formed`` check) of the held-out conversations."""
+    n = max(len(chats), 1)
+    turns = sum(sum(m["role"] == "assistant" for m in c[len(ex.messages()):])
+                for c, ex in zip(chats, task.examples))
+    calls = float("nan") if well_formed is None else sum(map(well_formed, chats)) / n
+    return dict(eval_turns=turns / n, eval_tool_calls=calls)
 
 
 def _one_line(text: str) -> str:

@@ -16,7 +16,7 @@ from ppo_objectives.train.text import (
     TextTask,
     arithmetic_examples,
     evaluate,
-    load_reward,
+    load_function,
     number_reward,
     read_prompts_jsonl,
 )
@@ -47,7 +47,7 @@ def _task(tok, examples=None, reward=number_reward, M=6):
 def test_the_jobs_text_tasks_are_the_built_in_ones_and_jsonl():
     from ppo_objectives.train.config import TEXT_TASKS  # the --task choices; config imports no task module
 
-    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "jsonl")
+    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "chat-calc", "jsonl")
 
 
 @pytest.mark.parametrize("name", list(ARITHMETIC_TASKS))
@@ -122,19 +122,19 @@ def test_read_prompts_jsonl_missing_file(tmp_path):
         read_prompts_jsonl(tmp_path / "nope.jsonl")
 
 
-def test_load_reward_and_its_errors(tmp_path):
+def test_load_function_and_its_errors(tmp_path):
     path = _write(tmp_path, "r.py", "import math\ndef exact(completion, answer):\n    return float(completion == str(answer))\n")
-    assert load_reward(f"{path}:exact")("4", answer=4) == 1.0
+    assert load_function(f"{path}:exact")("4", answer=4) == 1.0
     with pytest.raises(ValueError, match="must be FILE.py:function"):
-        load_reward(str(path))
+        load_function(str(path))
     with pytest.raises(FileNotFoundError, match=r"--reward .*missing\.py:exact: no such file .*missing\.py; give "
                                               r"FILE\.py:function"):
-        load_reward(f"{tmp_path / 'missing.py'}:exact")
+        load_function(f"{tmp_path / 'missing.py'}:exact")
     with pytest.raises(ValueError, match=r"has no function 'score' \(its functions: \['exact'\]\)"):
-        load_reward(f"{path}:score")
+        load_function(f"{path}:score")
     broken = _write(tmp_path, "broken.py", "raise RuntimeError('boom')\n")
     with pytest.raises(ImportError, match="importing .*broken.py failed: RuntimeError: boom"):
-        load_reward(f"{broken}:f")
+        load_function(f"{broken}:f")
 
 
 def test_reward_signature_is_checked_against_every_line_before_any_rollout(tok):
