@@ -397,8 +397,8 @@ class TokenLMEnv(EnvBase):
         if not self.multi_turn:
             given = [n for n, v in (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens)) if v is not None]
             if given:
-                raise ValueError(f"TokenLMEnv {' and '.join(given)} budget the turns of a multi-turn env, and this env "
-                                 f"has one turn (no env_turn_fn); pass env_turn_fn= or drop {given[0]}")
+                raise ValueError(f"TokenLMEnv {given[0]} budgets the turns of a multi-turn env, and this env has one "
+                                 f"turn (no env_turn_fn); pass env_turn_fn= or drop {given[0]}")
             return
         if not callable(env_turn_fn):
             raise TypeError(f"TokenLMEnv env_turn_fn must be callable (response_ids, assistant_mask, conversation=) -> "

@@ -36,7 +36,7 @@ METRICS = (
 
 
 #: The columns a multi-turn task adds (``--task chat-calc``, ``--tool``): the rollout's turns and the held-out ones.
-TURN_COLUMNS = ("turns", "turn_tokens", *EVAL_TURN_COLUMNS)
+TURN_COLUMNS = ("turns", "turn_tokens", "env_turns_cut", *EVAL_TURN_COLUMNS)
 
 
 def columns(cfg: TrainConfig) -> tuple[str, ...]:

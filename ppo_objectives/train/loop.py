@@ -115,6 +115,7 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
         for it in range(run.start_it, cfg.iterations):
             # 1. rollout through the collector, in the response layout
             t0 = time.perf_counter()
+            cut_before = run.env.env_turns_cut if cfg.multi_turn else 0
             with gathered_for_rollout(run.ac.actor_model):  # --fsdp: the whole actor (else nothing)
                 llm = collect_batch(run.collector_iter, run.device, run.P, run.M,
                                     policy_version=run.policy_version(it))
@@ -132,6 +133,12 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
             n_tok = roll.pop("tokens")
             turns = {k: roll.pop(k) for k in ("turns", "turn_tokens")}  # columns of a multi-turn task
+            if cfg.multi_turn:
+                turns["env_turns_cut"] = run.env.env_turns_cut - cut_before
+                if turns["env_turns_cut"] and not cut_before:
+                    warn_line(f"iteration {it + 1}: {turns['env_turns_cut']} environment turns did not fit "
+                              f"--max-new-tokens {cfg.max_new_tokens}; each ended its episode there (truncated, "
+                              f"scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
             row = dict(iteration=it + 1, **roll, **(turns if cfg.multi_turn else {}), kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
                        reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
                        **stats)  # fmt: skip

@@ -1,0 +1,214 @@
+"""Multi-turn text tasks: a tool's messages appended as the chat template renders them, the conversation the tool and
+the reward see, ``chat-calc``, the job's ``--tool`` and every bad input of it (a tokenizer and a Llama built in code)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ppo_objectives import testing as K
+from ppo_objectives.train.calc import CALC_ERROR, calc_examples, calc_tool, tool_calls_well_formed
+from ppo_objectives.train.text import TextExample, TextTask, evaluate, number_reward
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return K.tiny_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    return K.tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_turns"))
+
+
+def echo_tool(messages, answer):
+    """Replies once with the answer's double, then ends the episode."""
+    return None if sum(m["role"] == "assistant" for m in messages[-3:]) > 1 else f"result {2 * answer}"
+
+
+def _task(tok, tool=echo_tool, **kw):
+    examples = [TextExample("What is 1 + 2?", {"answer": 3}), TextExample("What is 10 + 5?", {"answer": 15})]
+    return TextTask(examples, kw.pop("reward", number_reward), tok, max_new_tokens=kw.pop("M", 24), tool=tool, **kw)
+
+
+def test_the_env_turn_is_the_template_difference_after_the_end_of_turn_token(tok):
+    task = _task(tok)
+    messages = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"}]
+    ids = task.env_turn_ids(messages, "result 6", closed=True)
+    assert tok.decode(ids) == "\n<|im_start|>user\nresult 6<|im_end|>\n<|im_start|>assistant\n"
+    # a turn cut by its budget (no end-of-turn token): the env closes it for the model
+    cut = task.env_turn_ids(messages, "result 6", closed=False)
+    assert tok.decode(cut) == "<|im_end|>\n<|im_start|>user\nresult 6<|im_end|>\n<|im_start|>assistant\n"
+    # the prompt, the model's tokens and the env turn read as the template's rendering of the whole conversation
+    prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    whole = tok.apply_chat_template(messages + [{"role": "user", "content": "result 6"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert prompt + "3<|im_end|>" + tok.decode(ids) == whole
+
+
+def test_the_tool_and_the_reward_see_the_whole_conversation(tok):
+    seen = {}
+
+    def tool(messages, answer):
+        seen["tool"] = [dict(m) for m in messages]
+        return "result 6" if len(messages) < 4 else None
+
+    def reward(completion, answer, messages):
+        seen["reward"] = (completion, [dict(m) for m in messages])
+        return float(completion == "fine")
+
+    task = _task(tok, tool=tool, reward=reward)
+    a1, a2 = tok("3", add_special_tokens=False)["input_ids"], tok("fine", add_special_tokens=False)["input_ids"]
+    conversation = []
+    turn1 = torch.tensor(a1 + [task.eos_id])
+    env_ids = task.env_turn(turn1, torch.ones(len(turn1), dtype=torch.bool), conversation=conversation, prompt_id=0)
+    assert conversation == ["result 6"] and seen["tool"][-1] == {"role": "assistant", "content": "3"}
+    response = torch.cat([turn1, env_ids, torch.tensor(a2 + [task.eos_id])])
+    mask = torch.cat([torch.ones(len(turn1)), torch.zeros(len(env_ids)), torch.ones(len(a2) + 1)]).bool()
+    assert task.env_turn(response, mask, conversation=conversation, prompt_id=0) is None
+    score = task.reward(task.prompt_ids[:1], task.prompt_mask[:1], response[None], mask[None],
+                        prompt_id=torch.tensor([0]), conversation=[conversation])
+    assert score.tolist() == [1.0]
+    completion, chat = seen["reward"]
+    assert completion == "fine" and [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert chat[2]["content"] == "result 6"
+
+
+@pytest.mark.parametrize("tool, error, match", [
+    (lambda messages, answer: 1 / 0, RuntimeError,
+     r"What is 1 \+ 2\?|the tool <lambda> raised ZeroDivisionError: division by zero .*make it return a message"),
+    (lambda messages, answer: 42, ValueError, r"the tool <lambda> returned 42 \(int\); it must return .* a str, or None"),
+])
+def test_a_bad_tool_is_an_error_naming_the_prompt_and_the_fix(tok, tool, error, match):
+    task = _task(tok, tool=tool)
+    with pytest.raises(error, match=match):
+        task.env_turn(torch.tensor([5, task.eos_id]), torch.ones(2, dtype=torch.bool), conversation=[], prompt_id=0)
+
+
+def test_a_tool_whose_parameters_miss_a_field_is_refused_before_any_rollout(tok):
+    with pytest.raises(TypeError, match=r"the tool .*cannot be called as tool\(messages, \*\*\['answer'\]\)"):
+        _task(tok, tool=lambda messages: None)
+
+
+def test_turn_budgets_without_a_tool_are_refused(tok):
+    with pytest.raises(ValueError, match="max_turns budgets the turns of a multi-turn task.*pass tool= or drop"):
+        TextTask([TextExample("x", {})], lambda completion: 0.0, tok, max_new_tokens=4, max_turns=2)
+
+
+def test_evaluate_plays_whole_conversations_and_scores_them(tok, chat_model_dir):
+    from ppo_objectives.train.pretrained import load_causal_lm
+
+    lm = load_causal_lm(chat_model_dir)
+    task = _task(tok, tool=lambda messages, answer: "again" if len(messages) < 4 else None, max_turn_tokens=3, M=30)
+    greedy = evaluate(lm, task, greedy=True)
+    assert len(greedy.conversations) == 2 and len(greedy.rewards) == 2
+    for chat in greedy.conversations:
+        roles = [m["role"] for m in chat[1:]]
+        assert roles[:3] == ["assistant", "user", "assistant"] and chat[2]["content"] == "again"
+    assert greedy.completions[0].startswith("assistant: ") and " | user: again | assistant: " in greedy.completions[0]
+    sampled = evaluate(lm, task, greedy=False, generator=torch.Generator().manual_seed(0), samples=2)
+    assert len(sampled.rewards) == 4
+
+
+def test_chat_calc_has_a_seeded_split_of_200_held_out_problems_and_a_safe_tool():
+    held_out, train = calc_examples("eval"), calc_examples("train")
+    assert len(held_out) == 200 and len(held_out) + len(train) == 90 * 90 - 1
+    assert not {e.prompt[-1]["content"] for e in held_out} & {e.prompt[-1]["content"] for e in train}
+    assert calc_examples("eval") == held_out
+    ex = held_out[0]
+    a, b = (int(x) for x in ex.prompt[-1]["content"][len("What is "):-1].split(" times "))
+    assert ex.fields == {"answer": a * b} and ex.prompt[1]["content"] == "calc(23*41)"
+    chat = [{"role": "assistant", "content": f"calc({a} * {b})"}]
+    assert calc_tool(chat) == f"calc result: {a * b}"
+    assert calc_tool([{"role": "assistant", "content": "calc(__import__('os').system('x'))"}]) == CALC_ERROR
+    assert calc_tool([{"role": "assistant", "content": "The answer is 12."}]) is None
+    assert number_reward("The answer is 12.", 12) == 1.0
+    prompt = list(ex.prompt)
+    assert tool_calls_well_formed(prompt + chat + [{"role": "user", "content": "x"},
+                                                   {"role": "assistant", "content": "The answer is 1."}])
+    assert not tool_calls_well_formed(prompt + [{"role": "assistant", "content": "calc(1+)"}])
+
+
+def _jsonl(tmp_path, tool_body="def tool(messages, answer):\n    return None if len(messages) > 4 else 'result'\n"):
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(
+        {"prompt": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": f"What is {a} + 1?"}], "answer": a + 1}) + "\n" for a in range(6)))
+    (tmp_path / "e.jsonl").write_text(json.dumps({"prompt": "What is 9 + 9?", "answer": 18}) + "\n")
+    (tmp_path / "r.py").write_text("def f(completion, answer, messages):\n    return float(len(messages) > 4)\n")
+    (tmp_path / "t.py").write_text(tool_body)
+    return dict(task="jsonl", prompts=str(tmp_path / "p.jsonl"), reward=f"{tmp_path / 'r.py'}:f",
+                eval_prompts=str(tmp_path / "e.jsonl"), tool=f"{tmp_path / 't.py'}:tool")
+
+
+def test_the_job_trains_a_users_tool_task_with_a_few_shot_prefix(tmp_path, chat_model_dir):
+    from ppo_objectives import train as T
+
+    cfg = T.TrainConfig(model=str(chat_model_dir), iterations=2, num_envs=4, max_new_tokens=48, max_turn_tokens=6,
+                        eval_every=1, out=str(tmp_path / "run"), no_progress=True, no_plot=True, **_jsonl(tmp_path))
+    rows = T.train(cfg)[1:]  # the first row: the held-out evaluation before training
+    assert len(rows) == 2
+    for row in rows:
+        assert row["turns"] == 2.0 and 0 < row["turn_tokens"] <= 6  # every episode had the tool's turn
+        assert row["env_turns_cut"] == 0
+        assert row["eval_turns"] >= 1.0 and math.isnan(row["eval_tool_calls"])  # a tool of the user's: no check
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"turns", "turn_tokens", "eval_turns", "eval_tool_calls"} <= set(header)
+    samples = (tmp_path / "run" / "samples.txt").read_text()
+    assert "assistant: " in samples and " | user: result | assistant: " in samples
+
+
+def test_a_tool_turn_that_does_not_fit_is_counted_and_warned_about(tmp_path, chat_model_dir, capsys):
+    from ppo_objectives import train as T
+
+    cfg = T.TrainConfig(model=str(chat_model_dir), iterations=1, num_envs=4, max_new_tokens=24, max_turn_tokens=6,
+                        out=str(tmp_path / "run"), no_progress=True, no_plot=True, **_jsonl(tmp_path))
+    row = T.train(cfg)[-1]
+    assert row["env_turns_cut"] > 0 and row["turns"] == 1.0  # the tool's 23 tokens never fit after a 6-token turn
+    assert "environment turns did not fit --max-new-tokens 24" in capsys.readouterr().err
+
+
+def test_a_single_turn_run_has_no_turn_columns(tmp_path, chat_model_dir):
+    from ppo_objectives import train as T
+
+    cfg = T.TrainConfig(model=str(chat_model_dir), task="chat-add1", iterations=1, num_envs=4, max_new_tokens=4,
+                        out=str(tmp_path / "run"), no_progress=True, no_plot=True)
+    row = T.train(cfg)[0]
+    assert "turns" not in row and "eval_turns" not in row
+
+
+@pytest.mark.parametrize("argv, flag, fix", [
+    (["--task", "chat-add1", "--tool", "t.py:tool"], "--tool", "a single-turn task; use --task jsonl or drop --tool"),
+    (["--task", "chat-calc", "--tool", "t.py:tool"], "--tool", "which has its own calc tool"),
+    (["--task", "chat-add1", "--max-turns", "2"], "--max-turns", "--task chat-add1 has one turn"),
+    (["--task", "chat-calc", "--max-turn-tokens", "90"], "--max-turn-tokens", "exceeds --max-new-tokens 80"),
+    (["--task", "chat-calc", "--max-turns", "-1"], "--max-turns", "must be an int >= 0"),
+])
+def test_a_misused_turn_flag_is_one_error_line(capsys, tmp_path, chat_model_dir, argv, flag, fix):
+    from ppo_objectives import train as T
+
+    with pytest.raises(SystemExit) as exc:
+        T.main(["--model", str(chat_model_dir), "--out", str(tmp_path / "run"), *argv])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in line and fix in line, line
+
+
+@pytest.mark.parametrize("body, fix", [
+    ("def other(messages, answer):\n    return None\n", "has no function 'tool'"),
+    ("def tool(:\n", "importing"),
+    ("def tool(messages):\n    return None\n", "cannot be called as tool(messages, **['answer'])"),
+])
+def test_a_bad_tool_file_is_one_error_line_naming_it(capsys, tmp_path, chat_model_dir, body, fix):
+    from ppo_objectives import train as T
+
+    flags = _jsonl(tmp_path, body)
+    argv = [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", v)]
+    with pytest.raises(SystemExit):
+        T.main(["--model", str(chat_model_dir), "--out", str(tmp_path / "run"), *argv])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--tool" in line and "t.py" in line and fix in line, line
