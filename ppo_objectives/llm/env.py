@@ -37,6 +37,35 @@ key                    shape, dtype      meaning
 ``("next","done")``    ``[N, 1]`` bool   ``terminated | truncated``
 =====================  ================  ==============================================
 
+Multi-turn episodes
+-------------------
+
+With ``env_turn_fn`` an episode is a conversation. An **assistant turn** ends at
+``eos_id`` (the end-of-turn token) or after ``max_turn_tokens`` tokens; the env then
+calls ``env_turn_fn(response_ids, assistant_mask, conversation=list)`` on that row
+(``response_ids`` / ``assistant_mask``: the row's columns ``P`` to ``position``; plus
+``prompt_id=`` when the function takes it), which returns the **environment's turn**
+as token ids (a tool result, feedback, the next user message) or ``None`` to end the
+episode (``terminated``). The env writes those tokens after the assistant's in the same
+step and moves ``position`` past them: they are **holes**, tokens the model reads as
+context (``attention_mask`` True) but never sampled (no step writes them, so
+:func:`~ppo_objectives.llm.layouts.trajectories_to_llm_batch` gives them ``mask`` False,
+no log-prob, no reward, no advantage) and never trained. ``max_new_tokens`` is the whole
+conversation's budget. The episode ends **truncated** when the budget is spent, when
+``max_turns`` assistant turns are done, or when the environment's turn does not fit
+with a column to spare (then it is dropped, counted in ``env_turns_cut``, and the
+conversation is scored as it stands). Rows end at different turns and reset on their
+own. ``conversation`` is the row's own list, empty at its reset, for ``env_turn_fn`` to
+record what it needs (:class:`~ppo_objectives.train.text.TextTask` keeps the tool's
+messages there); a ``reward_fn`` with a ``conversation`` parameter gets each finished
+row's, and its ``response_mask`` is ``assistant_mask``: the tokens the policy wrote.
+The observation then also holds ``assistant_mask`` ``[N, S]``, ``turn_start`` ``[N]``
+(the column the current assistant turn began at) and ``turns`` ``[N]`` (environment
+turns so far). A finished row stepped again without a reset is left as it is.
+The env policy (:class:`~ppo_objectives.llm.policy.NextTokenLogits`) feeds an
+environment's turn to its KV cache in one forward of those tokens: no turn re-encodes
+the conversation before it.
+
 Example (the reverse task, a scripted policy that answers correctly):
     >>> import torch
     >>> from ppo_objectives.train.digit import DigitTask

@@ -18,9 +18,12 @@ never in the TensorDict, so collector batches stay small. Cache slot ``c``
 holds the keys/values of buffer column ``c``. On every call the module checks,
 per row, that its cached prefix is the current one: same batch shape, same
 parameter versions (an optimizer step or ``load_state_dict`` bumps them),
-same tokens in the cached columns, and the cache ends right before the newest
-token. Rows that fail (a fresh episode after a reset, new weights) are
-re-filled with one prefill forward; then every row advances by one token:
+same tokens and attention mask in the cached columns, and the cache ends at or
+before the newest token. Rows that fail (a fresh episode after a reset, new
+weights) are re-filled with one prefill forward. A row whose cache ends before
+its newest token (a multi-turn env appended its own turn) is **behind**: the
+missing columns alone are fed, in one windowed forward over the rows behind,
+never the whole conversation. Then every row advances by one token:
 O(S) work per token instead of O(S^2). Finding the stale rows is one host
 sync per step (``.any()``); it is on the env path only, never in the loss.
 The cache is used only under ``torch.no_grad()`` (rollouts); with gradients
