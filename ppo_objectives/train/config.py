@@ -188,6 +188,10 @@ class TrainConfig:
                             "--length-alpha is given)")
     average_gae: bool = _rf("average_gae", "whiten the advantages over the valid tokens of the batch (MiniMind; "
                                            "--no-average-gae: raw advantages, in the reward's scale)")
+    holes: str = _f(_default(MaskedGAE, "holes"), "multi-turn tasks: GAE across the environment's turns: skip them (the "
+                                                  "reward reaches every turn) or cut the trajectory at each (TorchRL's "
+                                                  "semantics: a turn bootstraps from the value after the reply)",
+                    choices=("skip", "cut"))
     policy_lmbda: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lmbda", type_=float)
     length_alpha: float = _f(None, "length-adaptive GAE (VAPO): the advantages' lambda per response, "
                                    "1 - 1 / (alpha * length); unset: off", type_=float)
@@ -403,12 +407,17 @@ class TrainConfig:
         given = [(f, v) for f, v in (("--max-turns", self.max_turns), ("--max-turn-tokens", self.max_turn_tokens))
                  if v is not None]
         if not self.multi_turn:
+            if self.holes != "skip":
+                given.append(("--holes", self.holes))
             if given:
-                raise ValueError(f"{given[0][0]} budgets the turns of a multi-turn task, and --task {self.task} has "
+                raise ValueError(f"{given[0][0]} is for the turns of a multi-turn task, and --task {self.task} has "
                                  f"one turn; give --tool FILE.py:function (with --task jsonl) or drop {given[0][0]}")
             return
         for flag, value in given:
             _validate.check_int(flag.lstrip("-").replace("-", "_"), value, low=0, where="TrainConfig ")
+        if self.holes != "skip" and self.advantage != "gae":
+            raise ValueError(f"--holes {self.holes} chooses how GAE crosses the environment's turns, and --advantage "
+                             f"{self.advantage} has no GAE; use --advantage gae or drop --holes")
         if (self.max_turn_tokens or 0) > self.max_new_tokens:
             raise ValueError(f"--max-turn-tokens {self.max_turn_tokens} exceeds --max-new-tokens {self.max_new_tokens}, "
                              f"the whole conversation's budget; lower it or raise --max-new-tokens")
@@ -474,7 +483,7 @@ _GROUP_MEMBERS = {
             "rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
-               "gamma", "lmbda", "average_gae", "policy_lmbda", "length_alpha"),
+               "gamma", "lmbda", "average_gae", "holes", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
     "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads"),
 }

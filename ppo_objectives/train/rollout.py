@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
+from torch import Tensor
 
 from ppo_objectives import functional as F
 from ppo_objectives.llm.layouts import trajectories_to_llm_batch
@@ -118,8 +119,25 @@ def score_batch(llm: TensorDictBase, ac: ActorCritic, kl_transform: KLPenaltyTra
             kl_transform(llm)  # "ref_log_prob", "kl_penalty"; reward -= beta * k1 on every token
         if critic_free:  # a group estimator reads each response's (penalised) return
             llm.set(RETURN_KEY, F.masked_sum(llm.get(("next", "reward")), llm.get("mask"), dim=-1))
+        if getattr(gae, "holes", "skip") == "cut":  # a turn before a hole bootstraps from the value after it
+            llm.set(("next", "state_value"), next_valid_values(llm.get("state_value"), llm.get("mask")))
         gae(llm)  # "advantage" (whitened over valid tokens), "value_target" = raw advantage + V_old
     return llm
+
+
+def next_valid_values(values: Tensor, mask: Tensor) -> Tensor:
+    """``[B, R]``: at each position the value of the row's next valid token (0 where none follows): the value of
+    the state after the environment's turn, for the token before it (``MaskedGAE(holes="cut")``'s bootstrap).
+
+    Example:
+        >>> next_valid_values(torch.tensor([[1.0, 9.0, 3.0, 4.0]]), torch.tensor([[True, False, True, True]]))
+        tensor([[3., 3., 4., 0.]])
+    """
+    R = mask.shape[-1]
+    index = torch.where(mask, torch.arange(R, device=mask.device), R)  # a valid position's own index, else R
+    after = torch.cat([index[..., 1:], torch.full_like(index[..., :1], R)], dim=-1)
+    nxt = after.flip(-1).cummin(-1).values.flip(-1)  # the first valid index after each position, or R
+    return torch.cat([values, torch.zeros_like(values[..., :1])], dim=-1).gather(-1, nxt)
 
 
 def rollout_stats(llm: TensorDictBase, kl_transform: KLPenaltyTransform | None, pg) -> dict:

@@ -162,6 +162,28 @@ def test_the_job_trains_a_users_tool_task_with_a_few_shot_prefix(tmp_path, chat_
     assert "assistant: " in samples and " | user: result | assistant: " in samples
 
 
+def test_holes_cut_bootstraps_each_turn_from_the_value_after_the_reply(tmp_path, chat_model_dir):
+    from ppo_objectives import train as T
+    from ppo_objectives.train.rollout import next_valid_values
+
+    seen = {}
+
+    def callback(row, run):
+        seen["holes"] = run.gae.holes
+
+    cfg = T.TrainConfig(model=str(chat_model_dir), iterations=1, num_envs=4, max_new_tokens=48, max_turn_tokens=6,
+                        holes="cut", out=str(tmp_path / "run"), no_progress=True, no_plot=True, **_jsonl(tmp_path))
+    assert T.train(cfg, callbacks=[callback])[-1]["turns"] == 2.0 and seen["holes"] == "cut"
+    g = torch.Generator().manual_seed(0)
+    values, mask = torch.randn(5, 9, generator=g), torch.rand(5, 9, generator=g) < 0.6
+    expected = torch.zeros(5, 9)
+    for b in range(5):  # the loop: the value of the next valid token after each position
+        for j in range(9):
+            later = [k for k in range(j + 1, 9) if mask[b, k]]
+            expected[b, j] = values[b, later[0]] if later else 0.0
+    assert torch.equal(next_valid_values(values, mask), expected)
+
+
 def test_a_tool_turn_that_does_not_fit_is_counted_and_warned_about(tmp_path, chat_model_dir, capsys):
     from ppo_objectives import train as T
 
@@ -187,6 +209,8 @@ def test_a_single_turn_run_has_no_turn_columns(tmp_path, chat_model_dir):
     (["--task", "chat-add1", "--max-turns", "2"], "--max-turns", "--task chat-add1 has one turn"),
     (["--task", "chat-calc", "--max-turn-tokens", "90"], "--max-turn-tokens", "exceeds --max-new-tokens 80"),
     (["--task", "chat-calc", "--max-turns", "-1"], "--max-turns", "must be an int >= 0"),
+    (["--task", "chat-add1", "--holes", "cut"], "--holes", "--task chat-add1 has one turn"),
+    (["--task", "chat-calc", "--holes", "cut", "--advantage", "grpo"], "--holes", "--advantage grpo has no GAE"),
 ])
 def test_a_misused_turn_flag_is_one_error_line(capsys, tmp_path, chat_model_dir, argv, flag, fix):
     from ppo_objectives import train as T
