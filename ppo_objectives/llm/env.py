@@ -500,6 +500,15 @@ class TokenLMEnv(EnvBase):
             shape=(N,),
         )
 
+    @property
+    def max_steps(self) -> int:
+        """The most steps (tokens of the policy) an episode can take: ``max_new_tokens``, or in a multi-turn env
+        with ``max_turns``, at most ``max_turns * max_turn_tokens`` (a collector batch of ``N * max_steps`` frames
+        finishes every row's first episode)."""
+        if self.multi_turn and self.max_turns is not None:
+            return min(self.max_new_tokens, self.max_turns * self.max_turn_tokens)
+        return self.max_new_tokens
+
     def _turn_specs(self) -> dict:
         """The multi-turn observations: which columns the policy wrote, where its current turn began, and its
         finished turns (none for a single-turn env)."""

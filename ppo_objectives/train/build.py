@@ -85,14 +85,15 @@ def make_collector(cfg: TrainConfig, task: DigitTask, policy, env: TokenLMEnv, *
     processes (``MultiSyncCollector``) or Ray actors (``--collector-backend ray``:
     :func:`~ppo_objectives.train.ray_collector.make_ray_collector`).
 
-    ``frames_per_batch = N * M`` with ``reset_at_each_iter=True``: every row starts a
+    ``frames_per_batch = N * env.max_steps`` (``M``, or fewer for a multi-turn task whose turns cannot fill ``M``:
+    the environment's tokens take no step) with ``reset_at_each_iter=True``: every row starts a
     fresh prompt at the start of each batch, so each row finishes at least one response.
     Workers tag every frame with the ``"policy_version"`` of their weights, and have received the
     learner's weights once (version 1) when this returns.
     """
     from torchrl.collectors import Collector, MultiSyncCollector
 
-    M = env.max_new_tokens
+    M = env.max_steps
     if not cfg.remote_rollouts:
         return Collector(
             env,

@@ -240,3 +240,15 @@ def test_a_single_turn_env_has_no_conversation():
                      max_new_tokens=2, vocab_size=V, eos_id=EOS)
     with pytest.raises(ValueError, match="this env has one turn"):
         env.conversation(0)
+
+
+def test_an_episode_takes_at_most_max_turns_times_max_turn_tokens_steps():
+    assert turns_env().max_steps == M  # no turn budget: as many as fit
+    env = turns_env(max_turns=2)  # 4 tokens a turn
+    assert env.max_steps == 8
+    td, steps = env.reset(), 0
+    while not bool(td["done"].all()):
+        td["action"] = torch.full((4,), 5)  # never the end-of-turn token: every turn runs to its budget
+        td = env.step(td)["next"]
+        steps += 1
+    assert steps == env.max_steps and bool(td["done"].all())
