@@ -82,8 +82,10 @@ TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "jsonl")
 
 #: The multi-turn budgets of ``chat-calc`` (a call, the tool's result, the answer; one retry after a malformed call),
 #: for the flags left unset. ``--max-new-tokens`` is the whole conversation's budget: three turns of 16 tokens and two
-#: tool turns of about 15.
-TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16)}
+#: tool turns of about 15. Four minibatches: its rows are about 175 tokens (a 95-token prompt with the worked
+#: exchange), three times chat-add1's, and two minibatches of them outgrew 24 GiB of host memory in the update.
+TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16,
+                                                    minibatches=4)}
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
