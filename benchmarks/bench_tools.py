@@ -1,0 +1,204 @@
+"""chat-calc on SmolLM2 for 20 training minutes a run: PPO with the critic against its variants and TRL.
+
+What it compares, on the same model, the same ``chat-calc`` training prompts, tool, reward and
+200 held-out problems (greedy and sampled at T = 1, every 5 training minutes):
+
+- ``job``: ``python -m ppo_objectives.train --task chat-calc`` at its recipe: PPO with the critic,
+  ``MaskedGAE`` skipping the tool's turns (``--holes skip``); seeds 0, 1, 2;
+- ``job-cut``: the same with ``--holes cut`` (TorchRL's semantics for its ``valid`` key: a turn
+  bootstraps from the critic's value after the tool's reply); seed 0;
+- ``job-grpo``: the same with ``--advantage grpo`` (no critic, groups of 4); seed 0;
+- ``trl``: TRL's ``GRPOTrainer`` with the same tool (``tools=[calc]``), if its tool path accepts
+  SmolLM2's chat template; the row records TRL's own refusal when it does not.
+
+Training time is the job's own clock (rollouts and updates, evaluations excluded:
+``--time-limit 20 --eval-minutes 5``). Each run is a process of its own, with one torch thread;
+run two at a time so that both see the same load. Each finished run's row is written at once to
+``benchmarks/results/tools/SIDE/seedS.json`` (the run's ``metrics.csv`` rows); a re-run skips the
+rows already there. ``--summary`` prints held-out accuracy at 0, 5, 10 and 20 minutes, the
+iterations, seconds per iteration and the well-formed tool-call rate per side, and draws
+``benchmarks/tools.png`` (held-out sampled accuracy against training minutes).
+
+    python benchmarks/bench_tools.py --model runs/smollm2 --runs job:0 job-cut:0   # one pair, side by side
+    python benchmarks/bench_tools.py --summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+RESULTS = HERE.parent / "results" / "tools"
+SIDES = {
+    "job": [],
+    "job-cut": ["--holes", "cut"],
+    "job-grpo": ["--advantage", "grpo"],
+    "trl": None,
+}
+MARKS = (0, 5, 10, 20)
+
+
+def job_run(model: Path, side: str, seed: int, minutes: float) -> dict:
+    """One run of the job; its ``metrics.csv`` rows."""
+    from ppo_objectives import train as T
+
+    with tempfile.TemporaryDirectory(prefix="bench_tools_") as out:
+        cmd = [sys.executable, "-m", "ppo_objectives.train", "--task", "chat-calc", "--model", str(model),
+               "--seed", str(seed), "--time-limit", str(minutes), "--iterations", "100000", "--eval-minutes", "5",
+               "--threads", "1", "--out", out, "--no-progress", "--no-plot", "--save-every", "100000",
+               *SIDES[side]]
+        subprocess.run(cmd, check=True, cwd=HERE.parents[1])
+        rows = T.read_metrics(Path(out) / "metrics.csv")
+        samples = (Path(out) / "samples.txt").read_text()
+    return dict(side=side, seed=seed, flags=SIDES[side], minutes=minutes, rows=rows, samples=samples[-6000:])
+
+
+def trl_run(model: Path, seed: int) -> dict:
+    """TRL's ``GRPOTrainer`` with the calc tool: built as a user would; TRL's own error when it refuses."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ppo_objectives.train.calc import calc_examples
+    from ppo_objectives.train.text import number_reward
+
+    def calc(a: int, b: int) -> str:
+        """Multiply two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return str(int(a) * int(b))
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [number_reward(c[-1]["content"], x) for c, x in zip(completions, answer)]
+
+    data = Dataset.from_list([{"prompt": e.messages(), "answer": e.fields["answer"]} for e in calc_examples("train")])
+    with tempfile.TemporaryDirectory(prefix="bench_tools_trl_") as out:
+        config = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", seed=seed, per_device_train_batch_size=32,
+                            generation_batch_size=32, num_generations=8, max_completion_length=48, temperature=1.0,
+                            learning_rate=2e-5, bf16=False, gradient_checkpointing=False, save_strategy="no")
+        try:
+            GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model)), args=config, train_dataset=data,
+                        reward_funcs=reward, processing_class=AutoTokenizer.from_pretrained(str(model)), tools=[calc])
+        except Exception as err:  # the refusal is the result
+            return dict(side="trl", seed=seed, refused=f"{type(err).__name__}: {err}", rows=[])
+    raise NotImplementedError("TRL accepted the template: a timed run of its tool path is still to be written here")
+
+
+def _train_minutes(rows: list[dict]) -> list[float]:
+    total, out = 0.0, []
+    for r in rows:
+        if r["iteration"] >= 1:
+            total += r["rollout_s"] + r["reference_s"] + r["update_s"]
+        out.append(total / 60.0)
+    return out
+
+
+def at_minutes(rows: list[dict], key: str, minute: float) -> float:
+    """The held-out ``key`` of the last evaluation at or before ``minute`` training minutes (row 0 for 0)."""
+    best = float("nan")
+    for m, r in zip(_train_minutes(rows), rows):
+        if m <= minute + 1e-9 and r.get(key) == r.get(key):  # not nan
+            best = r[key]
+    return best
+
+
+def summary(plot: bool) -> None:
+    found = sorted(RESULTS.glob("*/seed*.json"))
+    if not found:
+        print("no rows yet: run the sides first")
+        return
+    runs = [json.loads(p.read_text()) for p in found]
+    print("| side | seed | " + " | ".join(f"greedy / sampled at {m} min" for m in MARKS)
+          + " | iterations | s per iteration | tool-call rate at the end |")
+    print("|---|---|" + "---|" * len(MARKS) + "---|---|---|")
+    for run in runs:
+        if run.get("refused"):
+            print(f"| {run['side']} | {run['seed']} | refused: {run['refused'][:200]} |")
+            continue
+        rows = run["rows"]
+        cells = [f"{at_minutes(rows, 'eval_greedy', m):.3f} / {at_minutes(rows, 'eval_sampled', m):.3f}" for m in MARKS]
+        its = [r for r in rows if r["iteration"] >= 1]
+        secs = statistics.median(r["rollout_s"] + r["reference_s"] + r["update_s"] for r in its)
+        calls = [r["eval_tool_calls"] for r in rows if r.get("eval_tool_calls") == r.get("eval_tool_calls")]
+        print(f"| {run['side']} | {run['seed']} | " + " | ".join(cells)
+              + f" | {len(its)} | {secs:.1f} | {calls[-1] if calls else float('nan'):.3f} |")
+    if plot:
+        _plot(runs)
+
+
+def _plot(runs: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = [(m, r["eval_sampled"]) for m, r in zip(_train_minutes(run["rows"]), run["rows"])
+               if r.get("eval_sampled") == r.get("eval_sampled")]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{run['side']} seed {run['seed']}")
+    ax.set(xlabel="training minutes (rollouts and updates)", ylabel="held-out accuracy, sampled at T = 1",
+           title="chat-calc on SmolLM2-135M-Instruct, 200 held-out problems", ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE.parent / "tools.png", dpi=120)
+    print(f"plot: {HERE.parent / 'tools.png'}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
+    p.add_argument("--runs", nargs="+", default=["job:0", "job-cut:0", "job-grpo:0", "trl:0", "job:1", "job:2"],
+                   help="SIDE:SEED runs, two at a time in the order given")
+    p.add_argument("--minutes", type=float, default=20.0, help="training minutes per run")
+    p.add_argument("--summary", action="store_true", help="print the table of the rows written and draw the plot")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--one-run", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.summary:
+        summary(not args.no_plot)
+        return 0
+    if not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model} is not a checkpoint directory; python -m ppo_objectives.pretrained --gguf "
+                f"smollm2 --out {args.model}")
+    runs = []
+    for spec in [args.one_run] if args.one_run else args.runs:
+        side, _, seed = spec.partition(":")
+        if side not in SIDES or not seed.isdigit():
+            p.error(f"--runs {spec}: give SIDE:SEED with SIDE one of {sorted(SIDES)}, e.g. job:0")
+        runs.append((side, int(seed)))
+    if args.one_run:
+        side, seed = runs[0]
+        row = trl_run(args.model, seed) if side == "trl" else job_run(args.model, side, seed, args.minutes)
+        path = RESULTS / side / f"seed{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row))
+        return 0
+    todo = [(s, k) for s, k in runs if not (RESULTS / s / f"seed{k}.json").exists()]
+    for s, k in runs:
+        if (s, k) not in todo:
+            print(f"{s}:{k}: written already, skipped", file=sys.stderr)
+    for i in range(0, len(todo), 2):  # two at a time
+        procs = [subprocess.Popen([sys.executable, str(HERE), "--one-run", f"{s}:{k}", "--model", str(args.model),
+                                   "--minutes", str(args.minutes)]) for s, k in todo[i:i + 2]]
+        if any(proc.wait() for proc in procs):
+            print("error: a run failed (its output is above)", file=sys.stderr)
+            return 1
+    summary(not args.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
