@@ -49,6 +49,7 @@ response length; ``T`` tokens per row; ``H`` hidden size; ``V`` vocabulary.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -153,20 +154,28 @@ class SharedForward:
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
         kept, self._kept = self._kept, None
         if kept is not None:
-            ids, mask, key, out = kept
+            ids, mask, key, out, _ = kept
             if (ids is input_ids and mask is attention_mask and key == self._key(input_ids, attention_mask)
                     and (out.logits is not None or not compute_logits)):
                 return out
         out = self.model(input_ids, attention_mask, compute_logits=compute_logits)
-        kept = (input_ids, attention_mask, self._key(input_ids, attention_mask), out)
+        token = object()  # names this forward; the hook must not reference ``out``
+        kept = (input_ids, attention_mask, self._key(input_ids, attention_mask), out, token)
         if out.hidden.requires_grad:  # a backward through it frees its graph: it can no longer be shared
-            out.hidden.register_hook(lambda grad, kept=kept: self._release(kept))
+            # The hook lives on the autograd graph, which the garbage collector cannot see through: a hook that held
+            # ``out`` (or this object strongly) would keep a forward's graph, every activation saved for backward,
+            # alive after its last user dropped it, whenever no backward ran (a minibatch the trust region stopped).
+            owner = weakref.ref(self)
+            out.hidden.register_hook(lambda grad, owner=owner, token=token: _release(owner, token))
         self._kept = kept
         return out
 
-    def _release(self, kept: tuple) -> None:
-        if self._kept is kept:
-            self._kept = None
+
+def _release(owner: weakref.ref, token: object) -> None:
+    """A backward ran through the kept forward named ``token``: its graph is gone, so it can no longer be shared."""
+    shared = owner()
+    if shared is not None and shared._kept is not None and shared._kept[-1] is token:
+        shared._kept = None
 
 
 def _trunk(readout: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
