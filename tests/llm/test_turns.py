@@ -252,3 +252,14 @@ def test_an_episode_takes_at_most_max_turns_times_max_turn_tokens_steps():
         td = env.step(td)["next"]
         steps += 1
     assert steps == env.max_steps and bool(td["done"].all())
+
+
+def test_an_end_of_turn_token_equal_to_the_pad_id_stays_in_every_turns_mask_torchrl_chatenv():
+    """TorchRL's ChatEnv builds its masks as ``tokens != pad``; with SmolLM2's pad, ``<|im_end|>``, every end-of-turn
+    token vanished from the assistant's turns. Ours come from who wrote each token."""
+    env = TokenLMEnv(prompts, lambda p, pm, r, rm: rm.sum(-1).float(), num_envs=4, prompt_len=P, max_new_tokens=M,
+                     vocab_size=V, eos_id=EOS, pad_id=EOS, env_turn_fn=reply_by_prompt, max_turn_tokens=4, seed=0)
+    batch = collect(env, tiny_lm(5), 4 * M)
+    llm = trajectories_to_llm_batch(batch, P, M)
+    ends = (llm["response_ids"] == EOS) & llm["attention_mask"][:, P:]
+    assert bool(ends.any()) and bool(llm["mask"][ends].all())
