@@ -634,14 +634,20 @@ class TokenLMEnv(EnvBase):
             reward[rows] = self._score(rows, tokens, mask, mask[:, P:], prompt_id)
         if self.token_reward_fn is not None:
             reward = reward + self.token_reward_fn(tokens[:, P:], mask[:, P:], position - P).reshape(N).float()
+        return self._next(tensordict, tokens, mask, new_position, prompt_id, reward, terminated, truncated)
+
+    def _next(self, tensordict, tokens, mask, position, prompt_id, reward, terminated, truncated, **turns):
+        """The step's output: the next observation (``turns``: a multi-turn env's own entries), reward and flags."""
+        N = self.batch_size[0]
         return TensorDict(
             tokens=tokens,
             attention_mask=mask,
-            position=new_position,
+            position=position,
             prompt_id=prompt_id,
             group=tensordict.get("group").reshape(N),
+            **turns,
             reward=reward[:, None],
-            done=done[:, None],
+            done=(terminated | truncated)[:, None],
             terminated=terminated[:, None],
             truncated=truncated[:, None],
             batch_size=self.batch_size,
@@ -691,23 +697,8 @@ class TokenLMEnv(EnvBase):
         if self.token_reward_fn is not None:
             shaping = self.token_reward_fn(tokens[:, P:], assistant[:, P:], position - P).reshape(N).float()
             reward = reward + torch.where(active, shaping, 0.0)
-        done = terminated | truncated
-        return TensorDict(
-            tokens=tokens,
-            attention_mask=mask,
-            position=new_position,
-            prompt_id=prompt_id,
-            group=tensordict.get("group").reshape(N),
-            assistant_mask=assistant,
-            turn_start=turn_start,
-            turns=turns,
-            reward=reward[:, None],
-            done=done[:, None],
-            terminated=terminated[:, None],
-            truncated=truncated[:, None],
-            batch_size=self.batch_size,
-            device=self.device,
-        )
+        return self._next(tensordict, tokens, mask, new_position, prompt_id, reward, terminated, truncated,
+                          assistant_mask=assistant, turn_start=turn_start, turns=turns)
 
     def _end_turn(self, i: int, state: dict, prompt_id: int) -> None:
         """Row ``i``'s assistant turn ended: append the environment's turn, or end the episode (``state``'s tensors

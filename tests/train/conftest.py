@@ -54,3 +54,21 @@ def torchrun_jobs(torchrun, tmp_path_factory) -> dict:
     shutil.copytree(split, two)
     jobs["split"] = (split, *torchrun(split, 3, "--no-plot", "--resume"))
     return jobs
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The testing kit's tiny chat tokenizer (a byte-level BPE with a chat template)."""
+    pytest.importorskip("transformers")
+    from ppo_objectives.testing import tiny_chat_tokenizer
+
+    return tiny_chat_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A tiny random Llama with that tokenizer, saved as a checkpoint directory once per session."""
+    pytest.importorskip("transformers")
+    from ppo_objectives.testing import tiny_chat_checkpoint
+
+    return tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))

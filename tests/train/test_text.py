@@ -24,16 +24,6 @@ from ppo_objectives.train.text import (
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return K.tiny_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
-    return K.tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
-
-
 def _task(tok, examples=None, reward=number_reward, M=6):
     examples = examples or [TextExample("What is 1 + 2?", {"answer": 3}), TextExample("What is 10 + 5?", {"answer": 15})]
     return TextTask(examples, reward, tok, max_new_tokens=M)

@@ -9,21 +9,10 @@ import math
 import pytest
 import torch
 
-from ppo_objectives import testing as K
 from ppo_objectives.train.calc import CALC_ERROR, calc_examples, calc_tool, tool_calls_well_formed
 from ppo_objectives.train.text import TextExample, TextTask, evaluate, number_reward
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return K.tiny_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
-    return K.tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_turns"))
 
 
 def echo_tool(messages, answer):
