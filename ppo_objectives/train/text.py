@@ -237,7 +237,7 @@ def load_function(spec: str, flag: str = "--reward") -> Callable:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "r.py")
         >>> from pathlib import Path
-        >>> _ = Path(path).write_text("def exact(completion, answer):\n    return float(completion.strip() == str(answer))\n")
+        >>> _ = Path(path).write_text("def exact(completion, answer):\\n    return float(completion.strip() == str(answer))\\n")
         >>> load_function(f"{path}:exact")("4", answer=4)
         1.0
     """
@@ -523,7 +523,7 @@ class TextTask:
         write (``closed``: the turn ended with the end-of-turn token). Never a re-tokenisation of the conversation.
 
         Example (SmolLM2's template: the turn ended with ``<|im_end|>``, so the hole starts with the newline the
-        template writes after it): ``"\n<|im_start|>user\ncalc result: 943<|im_end|>\n<|im_start|>assistant\n"``.
+        template writes after it): ``"\\n<|im_start|>user\\ncalc result: 943<|im_end|>\\n<|im_start|>assistant\\n"``.
         """
         render = self.tokenizer.apply_chat_template
         without = render(messages, tokenize=False)
