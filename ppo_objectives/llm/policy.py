@@ -175,6 +175,14 @@ def _param_version(params: list[Tensor]) -> int:
     return sum(p._version for p in params)
 
 
+def _write_rows(cache: KVCache, rows: Tensor, sub: KVCache) -> None:
+    """Write ``sub`` (a cache of ``len(rows)`` rows, filled by a forward of those rows alone) into ``cache``'s
+    rows ``rows``."""
+    cache.k[:, rows] = sub.k
+    cache.v[:, rows] = sub.v
+    cache.valid[rows] = sub.valid
+
+
 def _head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     """``model.lm_head(hidden)`` in float32, under the model's ``autocast_dtype`` when it has one set
     (hidden states made under autocast need not match the head's parameter dtype)."""
@@ -324,9 +332,7 @@ class NextTokenLogits(nn.Module):
             tokens[rows, :width], prefix, position_ids=pos_ids[rows, :width], cache=sub, cache_slots=0,
             compute_logits=False,
         )
-        cache.k[:, rows] = sub.k
-        cache.v[:, rows] = sub.v
-        cache.valid[rows] = sub.valid
+        _write_rows(cache, rows, sub)
 
     def _catch_up(self, cache: KVCache, tokens, attention_mask, pos_ids, behind: Tensor, last: Tensor) -> None:
         """Feed the rows ``behind`` the columns between their cache's end and their newest token (an environment
@@ -340,9 +346,7 @@ class NextTokenLogits(nn.Module):
             tokens[rows].gather(1, slots), attention_mask[rows].gather(1, slots),
             position_ids=pos_ids[rows].gather(1, slots), cache=sub, cache_slots=slots, compute_logits=False,
         )  # fmt: skip
-        cache.k[:, rows] = sub.k
-        cache.v[:, rows] = sub.v
-        cache.valid[rows] = sub.valid
+        _write_rows(cache, rows, sub)
 
     def _cached(self, tokens, attention_mask, position):
         N, S = tokens.shape
@@ -355,11 +359,9 @@ class NextTokenLogits(nn.Module):
         if self._cache_tokens is not None:
             changed = (tokens != self._cache_tokens) | (attention_mask != self._cache_mask)
             stale |= (changed & (cols < self._cache_len[:, None])).any(-1)
-        else:
-            stale |= self._cache_len < 0
-        behind = ~stale & (self._cache_len < last)
-        stale = stale | (behind & (last - self._cache_len > last.min()))  # a gap wider than the narrowest row
-        behind = behind & ~stale
+        gap = last - self._cache_len  # columns missing before the newest token (an empty cache: all of them)
+        stale |= gap > last.min()  # wider than the narrowest row's window, or an empty cache: refill
+        behind = ~stale & (gap > 0)
         pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
         # One host sync per step: are there stale or behind rows, and can one windowed forward serve all rows?
         # The common case (rows just reset, all at the same prompt end L0, every other row at or
