@@ -139,7 +139,9 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
                     warn_line(f"iteration {it + 1}: {turns['env_turns_cut']} environment turns did not fit "
                               f"--max-new-tokens {cfg.max_new_tokens}; each ended its episode there (truncated, "
                               f"scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
-            row = dict(iteration=it + 1, **roll, **(turns if cfg.multi_turn else {}), kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
+            else:
+                turns = {}
+            row = dict(iteration=it + 1, **roll, **turns, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
                        reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
                        **stats)  # fmt: skip
             if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)

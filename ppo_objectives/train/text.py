@@ -608,14 +608,11 @@ def evaluate(model: torch.nn.Module, task: TextTask, *, greedy: bool, generator:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    if task.env_turn is not None:
-        try:
-            return _evaluate_turns(model, task, idx, greedy=greedy, generator=generator, batch_size=batch_size,
-                                   temperature=temperature)
-        finally:
-            model.train(was_training)
     texts: list[str] = []
     try:
+        if task.env_turn is not None:
+            return _evaluate_turns(model, task, idx, greedy=greedy, generator=generator, batch_size=batch_size,
+                                   temperature=temperature)
         for chunk in idx.split(batch_size):
             ids, pmask = task.prompt_ids[chunk].to(device), task.prompt_mask[chunk].to(device)
             resp, _, mask = sample_with_kv_cache(model, ids, pmask, task.answer_len, eos_id=task.eos_id,
