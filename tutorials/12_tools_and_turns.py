@@ -44,6 +44,7 @@ from ppo_objectives.llm.readouts import make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train.calc import calc_examples, calc_tool, tool_calls_well_formed
 from ppo_objectives.train.pretrained import export_hf_checkpoint, load_causal_lm, load_tokenizer
+from ppo_objectives.train.rollout import next_valid_values
 from ppo_objectives.train.text import TextTask, evaluate, number_reward
 from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
@@ -140,19 +141,10 @@ print(f"in this batch: {int(mask.sum())} sampled tokens, {int(holes.sum())} hole
 # The same batch under the two GAE semantics, on the task reward and the critic's values (the env policy wrote
 # them as it sampled). "skip": the first turn's last token continues into the first token after the tool's reply.
 # "cut": it ends a trajectory there and bootstraps from its next value, here the critic's value after the reply.
-def next_valid(values, mask):
-    """Each valid token's next value: the value of the row's next valid token (0 after the last)."""
-    out = torch.zeros_like(values)
-    for b in range(mask.shape[0]):
-        cols = mask[b].nonzero().squeeze(-1)
-        out[b, cols[:-1]] = values[b, cols[1:]]
-    return out
-
-
 with torch.no_grad():
     skip = MaskedGAE(gamma=1.0, lmbda=1.0, average_gae=False)(llm.clone())["advantage"]
-    cut_td = llm.clone()
-    cut_td.set(("next", "state_value"), next_valid(llm["state_value"], mask))
+    cut_td = llm.clone()  # each token's next value: the value of the row's next valid token (the job's --holes cut)
+    cut_td.set(("next", "state_value"), next_valid_values(llm["state_value"], mask))
     cut = MaskedGAE(gamma=1.0, lmbda=1.0, average_gae=False, holes="cut")(cut_td)["advantage"]
 first_turn = mask[row] & (torch.arange(mask.shape[1]) < (holes[row].nonzero().min() if holes[row].any() else 0))
 if first_turn.any():
