@@ -8,6 +8,11 @@ What it compares, on the same model, the same ``chat-calc`` training prompts, to
 - ``job-cut``: the same with ``--holes cut`` (TorchRL's semantics for its ``valid`` key: a turn
   bootstraps from the critic's value after the tool's reply); seed 0;
 - ``job-grpo``: the same with ``--advantage grpo`` (no critic, groups of 4); seed 0;
+- ``plain``: the plain PyTorch policy-gradient loop (``plain_pg_loop.py``, as a user writes it:
+  ``generate`` turn by turn, a group baseline over 4 conversations of each of 8 prompts, one AdamW
+  step at 1e-5 per batch), driving the same tool turns: it shares with the job the model, the
+  training prompts, the tool, the tokens of the tool's turns (``TextTask.env_turn_ids``), the
+  reward, the turn budgets and the held-out measurement; seed 0;
 - ``trl``: TRL's ``GRPOTrainer`` with the same tool (``tools=[calc]``), if its tool path accepts
   SmolLM2's chat template; the row records TRL's own refusal when it does not.
 
@@ -39,6 +44,7 @@ SIDES = {
     "job": [],
     "job-cut": ["--holes", "cut"],
     "job-grpo": ["--advantage", "grpo"],
+    "plain": None,
     "trl": None,
 }
 MARKS = (0, 5, 10, 20)
@@ -57,6 +63,22 @@ def job_run(model: Path, side: str, seed: int, minutes: float) -> dict:
         rows = T.read_metrics(Path(out) / "metrics.csv")
         samples = (Path(out) / "samples.txt").read_text()
     return dict(side=side, seed=seed, flags=SIDES[side], minutes=minutes, rows=rows, samples=samples[-6000:])
+
+
+def plain_run(model: Path, seed: int, minutes: float) -> dict:
+    """One run of the plain loop; its rows in the job's timing columns (``rollout_s`` is ``generate``'s time)."""
+    import torch
+    from plain_pg_loop import build_tasks, held_out_evaluator, plain_pg_loop
+
+    from ppo_objectives.train.pretrained import load_tokenizer
+
+    torch.set_num_threads(1)
+    task, held_out, well_formed = build_tasks("chat-calc", load_tokenizer(model))
+    rows = plain_pg_loop(model, task, seed=seed, minutes=minutes, eval_minutes=5.0,
+                         evaluate_fn=held_out_evaluator(held_out, seed, well_formed=well_formed))
+    for r in rows:
+        r.update(rollout_s=r.pop("generate_s", 0.0), reference_s=0.0, update_s=r.get("update_s", 0.0))
+    return dict(side="plain", seed=seed, minutes=minutes, rows=rows)
 
 
 def trl_run(model: Path, seed: int) -> dict:
@@ -160,7 +182,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
-    p.add_argument("--runs", nargs="+", default=["job:0", "job-cut:0", "job-grpo:0", "trl:0", "job:1", "job:2"],
+    p.add_argument("--runs", nargs="+", default=["job:0", "job-cut:0", "job-grpo:0", "plain:0", "trl:0", "job:1", "job:2"],
                    help="SIDE:SEED runs, two at a time in the order given")
     p.add_argument("--minutes", type=float, default=20.0, help="training minutes per run")
     p.add_argument("--summary", action="store_true", help="print the table of the rows written and draw the plot")
@@ -181,7 +203,8 @@ def main(argv=None) -> int:
         runs.append((side, int(seed)))
     if args.one_run:
         side, seed = runs[0]
-        row = trl_run(args.model, seed) if side == "trl" else job_run(args.model, side, seed, args.minutes)
+        row = (trl_run(args.model, seed) if side == "trl" else plain_run(args.model, seed, args.minutes)
+               if side == "plain" else job_run(args.model, side, seed, args.minutes))
         path = RESULTS / side / f"seed{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(row))
