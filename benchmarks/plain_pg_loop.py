@@ -132,7 +132,7 @@ def sample_conversations(model, task, idx: torch.Tensor, group_size: int) -> dic
     """One conversation per prompt ``idx`` (a multi-turn task): each assistant turn a ``generate`` call on the
     conversation so far, each tool reply appended as tokens; the batch of :func:`sample_group_batch`, with
     ``resp_mask`` the assistant's tokens and ``resp_attn`` every token after the prompt."""
-    P, eos = task.prompt_len, task.eos_id
+    eos = task.eos_id
     prompts = [task.prompt_ids[i][task.prompt_mask[i]].tolist() for i in idx.tolist()]
     resp = [[] for _ in prompts]  # token ids after the prompt
     trained = [[] for _ in prompts]  # True: the assistant wrote it

@@ -835,3 +835,113 @@ def test_multi_turn_garbage_at_tool_tokens_changes_nothing(lm_eos, tok):
         torch.testing.assert_close(clean_td[key], dirty_td[key])
     for key in ("loss_objective", "loss_critic", "loss_kl_ref", "clip_fraction", "explained_variance"):
         torch.testing.assert_close(clean[key], dirty_terms[key])
+
+
+# --------------------------------------------------------------------------- #
+# TorchRL's tool transform, conversations of different lengths (tutorial 13)
+# --------------------------------------------------------------------------- #
+PLANNED_TURNS = (1, 3, 2)  # the conversations' lengths, in the order the dataloader serves them
+
+
+class Planned:
+    """One problem at a time, as a TensorDict holding a two-message ``History`` and the conversation's length."""
+
+    batch_size = 1
+
+    def __init__(self):
+        self.served = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        turns = PLANNED_TURNS[self.served % len(PLANNED_TURNS)]
+        self.served += 1
+        query = History.from_chats([[{"role": "system", "content": "be brief"}, {"role": "user", "content": "go"}]])
+        return TensorDict({"query": query, "plan": torch.tensor([[turns]])}, batch_size=[1])
+
+
+class EndAsPlanned(Transform):
+    """Reward 1 at the last turn; the conversation ends after its planned number of turns."""
+
+    def _reset(self, tensordict, tensordict_reset):
+        tensordict_reset.set("turn", torch.zeros(*tensordict_reset.batch_size, 1, dtype=torch.long))
+        return tensordict_reset
+
+    def _step(self, tensordict, next_tensordict):
+        turn = tensordict["turn"] + 1
+        done = turn >= tensordict["plan"]
+        next_tensordict.update({"turn": turn, "done": done, "terminated": done, "reward": done.float(),
+                                "plan": tensordict["plan"]})
+        return next_tensordict
+
+    def transform_observation_spec(self, spec):
+        spec["turn"] = Unbounded(shape=(*spec.shape, 1), dtype=torch.long)
+        return spec
+
+    def transform_reward_spec(self, spec):
+        spec["reward"] = Unbounded(shape=(*spec.shape, 1))
+        return spec
+
+
+def tool_env(tok, batch_size=1):
+    from torchrl.envs.llm.transforms.tools import ToolTransformBase
+
+    class Echo(ToolTransformBase):
+        tool_role = "user"
+
+        def _process_batch_item(self, content, index):
+            return ["got it"]
+
+    env = ChatEnv.from_dataloader(Planned(), batch_size=(batch_size,), tokenizer=tok)
+    return env.append_transform(EndAsPlanned()).append_transform(Echo()).append_transform(InitTracker())
+
+
+def test_tool_transform_conversations_of_different_lengths_become_linked_turn_rows(lm, tok):
+    torch.manual_seed(0)
+    turns = sum(PLANNED_TURNS)
+    collector = LLMCollector(tool_env(tok), policy=make_policy(lm, tok), dialog_turns_per_batch=turns,
+                             total_dialog_turns=turns, postproc=LLMToTokenBatch(pad_token_id=tok.pad_token_id,
+                                                                                  layout="turn"))
+    try:
+        out = next(iter(collector))
+    finally:
+        collector.shutdown()
+    assert out.batch_size[0] == turns
+    link, done = out["next_turn_row"][:, 0].tolist(), out["next", "done"].any(1).view(-1).tolist()
+    starts = [b for b in range(turns) if b not in link]
+    lengths = []
+    for b in starts:  # follow each conversation's chain of rows
+        n = 1
+        while link[b] >= 0:
+            assert not done[b], "only a conversation's last turn carries its flags"
+            assert link[b] == b + 1  # one env row: a conversation's turns are consecutive
+            nxt = out[link[b]]
+            held = nxt["tokens"][nxt["attention_mask"] & ~nxt["mask"]]
+            assert tok.decode(held.tolist()).endswith("<|im_start|>user\ngot it<|im_end|>\n<|im_start|>assistant\n"), \
+                "the tool's reply is part of the next turn's prompt, a hole"
+            b, n = link[b], n + 1
+        assert done[b]
+        lengths.append(n)
+    assert sorted(lengths) == sorted(PLANNED_TURNS)  # (TorchRL's primer draws one problem for its specs first)
+    assert out["next", "reward"].sum().item() == len(PLANNED_TURNS)
+
+
+def test_torchrl_refuses_top_k_zero(lm, tok):
+    # Pins TorchRL 0.14.1: sampling from the whole vocabulary has to be written top_k=len(tokenizer) (tutorial 13).
+    with pytest.raises(ValueError, match="top_k must be positive"):
+        TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=True,
+                            generate_kwargs={"max_new_tokens": 2, "do_sample": True, "top_k": 0})
+
+
+def test_torchrl_wrapper_fails_on_rows_whose_histories_differ_in_length(lm, tok):
+    # Pins TorchRL 0.14.1: with two env rows, the first conversation ends and restarts while the second goes on, and
+    # TransformersWrapper cannot extend the two histories of different lengths (why tutorial 13 runs one row per env).
+    torch.manual_seed(0)
+    collector = LLMCollector(tool_env(tok, batch_size=2), policy=make_policy(lm, tok), dialog_turns_per_batch=6,
+                             total_dialog_turns=6)
+    try:
+        with pytest.raises(ValueError, match="zip"):
+            next(iter(collector))
+    finally:
+        collector.shutdown()
