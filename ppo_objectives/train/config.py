@@ -78,14 +78,16 @@ ADVANTAGE_DEFAULTS: dict[str, dict] = {
 #: tasks (pretrained recipe): the built-in arithmetic family (:data:`~ppo_objectives.train.text.ARITHMETIC_TASKS`)
 #: and the user's JSONL file (``--prompts``).
 DIGIT_TASKS = ("reverse", "copy", "add")
-TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "jsonl")
+TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "chat-word", "jsonl")
 
 #: The multi-turn budgets of ``chat-calc`` (a call, the tool's result, the answer; one retry after a malformed call),
 #: for the flags left unset. ``--max-new-tokens`` is the whole conversation's budget: three turns of 16 tokens and two
 #: tool turns of about 15. Four minibatches: its rows are about 175 tokens (a 95-token prompt with the worked
 #: exchange), three times chat-add1's, and two minibatches of them outgrew 24 GiB of host memory in the update.
+#: ``chat-word`` answers with their working: 64 tokens, four times chat-add2's 16.
 TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16,
-                                                    minibatches=4)}
+                                                    minibatches=4),
+                                 "chat-word": dict(max_new_tokens=64)}
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
@@ -113,7 +115,8 @@ class TrainConfig:
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
                               "two-digit addition as chat questions (needs --model with a tokenizer); chat-calc: "
-                              "two-digit multiplication with a calc(a*b) tool, multi-turn; jsonl: your prompts "
+                              "two-digit multiplication with a calc(a*b) tool, multi-turn; chat-word: two-step word problems answered with "
+                              "their working (64 tokens); jsonl: your prompts "
                               "(--prompts, --reward, --eval-prompts, --tool)", choices=TASKS)
     digits: int = _f(3, "digits per operand of the toy task")
     prompts: str = _f("", "--task jsonl: training prompts, one JSON object per line with 'prompt' (a string or "

@@ -1,6 +1,6 @@
 """What the training job adds for text tasks on a pretrained checkpoint (internal to ``train``).
 
-The tasks from the flags (``--task chat-add1 | chat-add2 | chat-calc | jsonl``, ``--tool``), the held-out
+The tasks from the flags (``--task chat-add1 | chat-add2 | chat-calc | chat-word | jsonl``, ``--tool``), the held-out
 evaluation every ``--eval-every`` iterations with its samples log, and the export
 of the trained actor as a Hugging Face directory. ``ppo_objectives/train/``
 calls these; the text tasks themselves are :mod:`ppo_objectives.train.text`.
@@ -29,6 +29,7 @@ from ppo_objectives.train.text import (
     number_reward,
     read_prompts_jsonl,
 )
+from ppo_objectives.train.word import final_number_reward, word_examples
 
 #: The held-out sampling generator is seeded with ``--seed`` + this (a stream apart from the training run's).
 EVAL_SEED_OFFSET = 7919
@@ -91,6 +92,8 @@ def _text_inputs(cfg) -> tuple[list, object, list | None, object]:
     elif cfg.task == "chat-calc":
         train, reward, tool = calc_examples("train"), number_reward, calc_tool
         held_out = calc_examples("eval")
+    elif cfg.task == "chat-word":
+        train, reward, held_out = word_examples("train"), final_number_reward, word_examples("eval")
     else:
         train, reward = arithmetic_examples(cfg.task, "train"), number_reward
         held_out = arithmetic_examples(cfg.task, "eval")

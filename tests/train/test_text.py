@@ -37,7 +37,53 @@ def _task(tok, examples=None, reward=number_reward, M=6):
 def test_the_jobs_text_tasks_are_the_built_in_ones_and_jsonl():
     from ppo_objectives.train.config import TEXT_TASKS  # the --task choices; config imports no task module
 
-    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "chat-calc", "jsonl")
+    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "chat-calc", "chat-word", "jsonl")
+
+
+def test_chat_word_split_is_disjoint_seeded_and_its_answers_follow_the_stories():
+    import re
+
+    from ppo_objectives.train.word import ASK, STORIES, word_examples
+
+    train, held_out = word_examples("train"), word_examples("eval")
+    assert len(held_out) == 200 and word_examples("eval") == held_out
+    assert not {e.prompt[0]["content"] for e in train} & {e.prompt[0]["content"] for e in held_out}
+    assert [e.prompt for e in word_examples("eval", split_seed=1)] != [e.prompt for e in held_out]
+    minus = plus = 0
+    for e in train + held_out:  # every answer recomputed from the numbers of its story, independently
+        text = e.prompt[0]["content"]
+        assert text.endswith(ASK) and len(e.prompt) == 1
+        x, y, c = (int(n) for n in re.findall(r"\d+", text))
+        taken = any(w in text for w in ("gives away", "are taken"))
+        assert e.fields["answer"] == x * y + (-c if taken else c) and e.fields["answer"] > 0
+        minus, plus = minus + taken, plus + (not taken)
+    assert minus and plus and len(STORIES) == 4
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("7 * 12 = 84, 84 + 15 = 99. The answer is 99.", 99, 1.0), ("84 + 15 = 99", 99, 1.0), ("99", 99, 1.0),
+    ("The answer is 99, since 7 * 12 = 84", 99, 0.0), ("", 99, 0.0), ("a lot", 99, 0.0), ("1,099", 1099, 1.0),
+    ("12 x 8 = 96\n96 - 5 = 91\nSo 91 chairs.", 91, 1.0),
+])  # fmt: skip
+def test_final_number_reward_reads_the_last_number_of_the_whole_completion(completion, answer, want):
+    from ppo_objectives.train.word import final_number_reward
+
+    assert final_number_reward(completion, answer) == want
+
+
+def test_the_job_runs_chat_word_and_its_budget_is_longer(tmp_path, chat_model_dir, monkeypatch):
+    from ppo_objectives import train as T
+    from ppo_objectives.train import text_job, word
+
+    # the job's wiring on 8 problems of each split (the splits themselves are tested above)
+    monkeypatch.setattr(text_job, "word_examples", lambda split: word.word_examples(split)[:8])
+
+    assert T.TrainConfig(model=str(chat_model_dir), task="chat-word").max_new_tokens == 64
+    cfg = T.TrainConfig(model=str(chat_model_dir), task="chat-word", iterations=1, num_envs=4, max_new_tokens=4,
+                        out=str(tmp_path / "run"), no_progress=True, no_plot=True)
+    rows = T.train(cfg)
+    assert len(rows) == 2 and rows[-1]["eval_greedy"] == rows[-1]["eval_greedy"]  # evaluated on the held-out split
+    assert "Work it out step by step" in (tmp_path / "run" / "samples.txt").read_text()
 
 
 @pytest.mark.parametrize("name", list(ARITHMETIC_TASKS))
