@@ -16,11 +16,12 @@ What it compares, on the same model, the same ``chat-calc`` training prompts, to
 - ``trl``: TRL's ``GRPOTrainer`` with the same tool (``tools=[calc]``), if its tool path accepts
   SmolLM2's chat template; the row records TRL's own refusal when it does not.
 
-Training time is the job's own clock (rollouts and updates, evaluations excluded:
-``--time-limit 20 --eval-minutes 5``). Each run is a process of its own, with one torch thread;
+Training time is each side's own clock (rollouts and updates, evaluations excluded: the job's
+``--time-limit 20 --eval-minutes 5``); ``sides.py`` runs the sides. Each run is a process of its own, with one torch thread;
 run two at a time so that both see the same load. Each finished run's row is written at once to
 ``benchmarks/results/tools/SIDE/seedS.json`` (the run's ``metrics.csv`` rows); a re-run skips the
-rows already there. ``--summary`` prints held-out accuracy at 0, 5, 10 and 20 minutes, the
+rows already there. ``--summary`` prints held-out accuracy at 0, 5, 10 and 20 minutes (the last
+evaluation at or before each mark: a side evaluates after the first iteration past every 5 minutes), the
 iterations, seconds per iteration and the well-formed tool-call rate per side, and draws
 ``benchmarks/tools.png`` (held-out sampled accuracy against training minutes).
 
@@ -35,8 +36,9 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from sides import at_minutes, job_run, plain_run, train_minutes, trl_run
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "tools"
@@ -50,87 +52,14 @@ SIDES = {
 MARKS = (0, 5, 10, 20)
 
 
-def job_run(model: Path, side: str, seed: int, minutes: float) -> dict:
-    """One run of the job; its ``metrics.csv`` rows."""
-    from ppo_objectives import train as T
-
-    with tempfile.TemporaryDirectory(prefix="bench_tools_") as out:
-        cmd = [sys.executable, "-m", "ppo_objectives.train", "--task", "chat-calc", "--model", str(model),
-               "--seed", str(seed), "--time-limit", str(minutes), "--iterations", "100000", "--eval-minutes", "5",
-               "--threads", "1", "--out", out, "--no-progress", "--no-plot", "--save-every", "100000",
-               *SIDES[side]]
-        subprocess.run(cmd, check=True, cwd=HERE.parents[1])
-        rows = T.read_metrics(Path(out) / "metrics.csv")
-        samples = (Path(out) / "samples.txt").read_text()
-    return dict(side=side, seed=seed, flags=SIDES[side], minutes=minutes, rows=rows, samples=samples[-6000:])
-
-
-def plain_run(model: Path, seed: int, minutes: float) -> dict:
-    """One run of the plain loop; its rows in the job's timing columns (``rollout_s`` is ``generate``'s time)."""
-    import torch
-    from plain_pg_loop import build_tasks, held_out_evaluator, plain_pg_loop
-
-    from ppo_objectives.train.pretrained import load_tokenizer
-
-    torch.set_num_threads(1)
-    task, held_out, well_formed = build_tasks("chat-calc", load_tokenizer(model))
-    rows = plain_pg_loop(model, task, seed=seed, minutes=minutes, eval_minutes=5.0,
-                         evaluate_fn=held_out_evaluator(held_out, seed, well_formed=well_formed))
-    for r in rows:
-        r.update(rollout_s=r.pop("generate_s", 0.0), reference_s=0.0, update_s=r.get("update_s", 0.0))
-    return dict(side="plain", seed=seed, minutes=minutes, rows=rows)
-
-
-def trl_run(model: Path, seed: int) -> dict:
-    """TRL's ``GRPOTrainer`` with the calc tool: built as a user would; TRL's own error when it refuses."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from ppo_objectives.train.calc import calc_examples
-    from ppo_objectives.train.text import number_reward
-
-    def calc(a: int, b: int) -> str:
-        """Multiply two whole numbers.
-
-        Args:
-            a: the first number
-            b: the second number
-        """
-        return str(int(a) * int(b))
-
-    def reward(prompts, completions, answer, **kwargs):
-        return [number_reward(c[-1]["content"], x) for c, x in zip(completions, answer)]
-
-    data = Dataset.from_list([{"prompt": e.messages(), "answer": e.fields["answer"]} for e in calc_examples("train")])
-    with tempfile.TemporaryDirectory(prefix="bench_tools_trl_") as out:
-        config = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", seed=seed, per_device_train_batch_size=32,
-                            generation_batch_size=32, num_generations=8, max_completion_length=48, temperature=1.0,
-                            learning_rate=2e-5, bf16=False, gradient_checkpointing=False, save_strategy="no")
-        try:
-            GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model)), args=config, train_dataset=data,
-                        reward_funcs=reward, processing_class=AutoTokenizer.from_pretrained(str(model)), tools=[calc])
-        except Exception as err:  # the refusal is the result
-            return dict(side="trl", seed=seed, refused=f"{type(err).__name__}: {err}", rows=[])
-    raise NotImplementedError("TRL accepted the template: a timed run of its tool path is still to be written here")
-
-
-def _train_minutes(rows: list[dict]) -> list[float]:
-    total, out = 0.0, []
-    for r in rows:
-        if r["iteration"] >= 1:
-            total += r["rollout_s"] + r["reference_s"] + r["update_s"]
-        out.append(total / 60.0)
-    return out
-
-
-def at_minutes(rows: list[dict], key: str, minute: float) -> float:
-    """The held-out ``key`` of the last evaluation at or before ``minute`` training minutes (row 0 for 0)."""
-    best = float("nan")
-    for m, r in zip(_train_minutes(rows), rows):
-        if m <= minute + 1e-9 and r.get(key) == r.get(key):  # not nan
-            best = r[key]
-    return best
+def one_run(model: Path, side: str, seed: int, minutes: float) -> dict:
+    if side == "trl":
+        out = trl_run(model, "chat-calc", seed, minutes)
+    elif side == "plain":
+        out = plain_run(model, "chat-calc", seed, minutes)
+    else:
+        out = job_run(model, "chat-calc", seed, minutes, SIDES[side])
+    return dict(side=side, seed=seed, minutes=minutes, **out)
 
 
 def summary(plot: bool) -> None:
@@ -139,7 +68,7 @@ def summary(plot: bool) -> None:
         print("no rows yet: run the sides first")
         return
     runs = [json.loads(p.read_text()) for p in found]
-    print("| side | seed | " + " | ".join(f"greedy / sampled at {m} min" for m in MARKS)
+    print("| side | seed | " + " | ".join(f"greedy / sampled, {m} min" for m in MARKS)
           + " | iterations | s per iteration | tool-call rate at the end |")
     print("|---|---|" + "---|" * len(MARKS) + "---|---|---|")
     for run in runs:
@@ -165,7 +94,7 @@ def _plot(runs: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        pts = [(m, r["eval_sampled"]) for m, r in zip(_train_minutes(run["rows"]), run["rows"])
+        pts = [(m, r["eval_sampled"]) for m, r in zip(train_minutes(run["rows"]), run["rows"])
                if r.get("eval_sampled") == r.get("eval_sampled")]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"{run['side']} seed {run['seed']}")
@@ -203,8 +132,7 @@ def main(argv=None) -> int:
         runs.append((side, int(seed)))
     if args.one_run:
         side, seed = runs[0]
-        row = (trl_run(args.model, seed) if side == "trl" else plain_run(args.model, seed, args.minutes)
-               if side == "plain" else job_run(args.model, side, seed, args.minutes))
+        row = one_run(args.model, side, seed, args.minutes)
         path = RESULTS / side / f"seed{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(row))

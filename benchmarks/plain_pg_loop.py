@@ -43,6 +43,7 @@ from ppo_objectives.train.text_job import EVAL_SEED_OFFSET
 from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.train.pretrained import load_tokenizer
 from ppo_objectives.train.text import TextTask, arithmetic_examples, evaluate, number_reward
+from ppo_objectives.train.word import final_number_reward, word_examples
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1, well_formed=None):
@@ -202,6 +203,11 @@ def build_tasks(name: str, tokenizer) -> tuple[TextTask, TextTask, object]:
         train, held_out = (TextTask(calc_examples(split), number_reward, tokenizer, name=name, tool=calc_tool,
                                     **turns) for split in ("train", "eval"))
         return train, held_out, tool_calls_well_formed
+    if name == "chat-word":
+        budget = TASK_DEFAULTS[name]["max_new_tokens"]
+        train, held_out = (TextTask(word_examples(split), final_number_reward, tokenizer, name=name,
+                                    max_new_tokens=budget) for split in ("train", "eval"))
+        return train, held_out, None
     train, held_out = (TextTask(arithmetic_examples(name, split), number_reward, tokenizer, max_new_tokens=16)
                        for split in ("train", "eval"))
     return train, held_out, None
@@ -210,7 +216,7 @@ def build_tasks(name: str, tokenizer) -> tuple[TextTask, TextTask, object]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc"))
+    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc", "chat-word"))
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-minutes", type=float, default=1.0)

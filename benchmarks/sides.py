@@ -1,0 +1,169 @@
+"""The sides the learning benchmarks run on a text task, each on its own training clock, in the same row format.
+
+Every side trains the same model directory on the same training prompts, with the same reward, and
+is measured by the same held-out protocol (the job's: greedy and sampled at T = 1 on every held-out
+problem, at the start and after the first iteration past each ``eval_minutes`` of training time).
+Training time is rollouts (generation), scoring and updates; the evaluations are not counted.
+
+- :func:`job_run`: ``python -m ppo_objectives.train`` with extra flags (the recipe, ``--advantage
+  grpo``, ``--holes cut``, ...), in a process of its own;
+- :func:`plain_run`: the plain PyTorch policy-gradient loop of ``plain_pg_loop.py``;
+- :func:`trl_run`: TRL's ``GRPOTrainer`` with its own defaults except the settings with an obvious
+  counterpart in the job (:data:`TRL_SETTINGS`); on ``chat-calc`` with the same tool (``tools=``).
+
+Each returns ``{rows, peak_rss_gib, ...}``: ``rows`` are ``metrics.csv``-like dicts with ``iteration``,
+``rollout_s``, ``reference_s``, ``update_s``, ``rollout_tokens`` (generated tokens of the iteration) and,
+on evaluated rows, ``eval_greedy`` / ``eval_sampled`` (and ``eval_tool_calls`` on ``chat-calc``).
+:func:`train_minutes` and :func:`at_minutes` read them.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+#: What TRL's ``GRPOTrainer`` is given beyond its defaults: the job's counterparts (32 answers per step in groups
+#: of 8, the task's response budget, T = 1, the recipe's learning rate, float32, no activation checkpointing).
+#: ``max_steps`` is set far past the time budget, so its linear learning-rate decay stays within 1% of the start.
+TRL_SETTINGS = dict(per_device_train_batch_size=32, generation_batch_size=32, num_generations=8, temperature=1.0,
+                    learning_rate=2e-5, bf16=False, gradient_checkpointing=False)
+
+#: TRL defaults recorded with each of its rows.
+TRL_DEFAULTS_SHOWN = ("loss_type", "beta", "num_iterations", "scale_rewards", "epsilon", "optim", "lr_scheduler_type",
+                      "max_grad_norm", "top_k", "top_p")
+
+
+def _peak_gib(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 2**20  # kB on Linux
+
+
+def job_run(model: Path, task: str, seed: int, minutes: float, flags: list[str], eval_minutes: float = 5.0) -> dict:
+    """One run of the job with ``flags``; its ``metrics.csv`` rows and the last evaluation's samples."""
+    from ppo_objectives import train as T
+
+    with tempfile.TemporaryDirectory(prefix="bench_job_") as out:
+        cmd = [sys.executable, "-m", "ppo_objectives.train", "--task", task, "--model", str(model), "--seed", str(seed),
+               "--time-limit", str(minutes), "--iterations", "100000", "--eval-minutes", str(eval_minutes),
+               "--threads", "1", "--out", out, "--no-progress", "--no-plot", "--save-every", "100000", *flags]
+        subprocess.run(cmd, check=True, cwd=HERE.parents[1])
+        rows = T.read_metrics(Path(out) / "metrics.csv")
+        samples = (Path(out) / "samples.txt").read_text()
+    for r in rows:
+        r["rollout_tokens"] = r.get("response_len", 0.0) * r.get("episodes", 0.0) if r["iteration"] >= 1 else 0.0
+    return dict(flags=flags, rows=rows, samples=samples[-6000:], peak_rss_gib=_peak_gib(resource.RUSAGE_CHILDREN))
+
+
+def plain_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: float = 5.0) -> dict:
+    """One run of the plain loop (``plain_pg_loop.py``), its rows in the job's timing columns."""
+    import torch
+    from plain_pg_loop import build_tasks, held_out_evaluator, plain_pg_loop
+
+    from ppo_objectives.train.pretrained import load_tokenizer
+
+    torch.set_num_threads(1)
+    train, held_out, well_formed = build_tasks(task, load_tokenizer(model))
+    rows = plain_pg_loop(model, train, seed=seed, minutes=minutes, eval_minutes=eval_minutes,
+                         evaluate_fn=held_out_evaluator(held_out, seed, well_formed=well_formed))
+    for r in rows:
+        r.update(rollout_s=r.pop("generate_s", 0.0), reference_s=0.0, update_s=r.get("update_s", 0.0),
+                 rollout_tokens=r.pop("response_tokens", 0))
+    return dict(rows=rows, peak_rss_gib=_peak_gib())
+
+
+def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: float = 5.0) -> dict:
+    """TRL's ``GRPOTrainer`` for ``minutes`` of its own training time (``on_step_begin`` to ``on_step_end``), the
+    held-out protocol run from a callback (not counted); on ``chat-calc`` TRL's own refusal when it refuses."""
+    import torch
+    from datasets import Dataset
+    from plain_pg_loop import build_tasks, held_out_evaluator
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ppo_objectives.train.pretrained import load_tokenizer
+
+    torch.set_num_threads(1)
+    train, held_out, well_formed = build_tasks(task, load_tokenizer(model))
+    evaluate_fn = held_out_evaluator(held_out, seed, well_formed=well_formed)
+    data = Dataset.from_list([{"prompt": e.messages(), **e.fields} for e in train.examples])
+    score = train.reward_fn
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [score(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    rows: list[dict] = []
+    clock = dict(train_s=0.0, next_eval=60.0 * eval_minutes, t0=0.0)
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            rows.append(dict(iteration=0, rollout_s=0.0, reference_s=0.0, update_s=0.0, rollout_tokens=0,
+                             **evaluate_fn(model)))
+
+        def on_step_begin(self, args, state, control, **kw):
+            clock["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            step_s = time.perf_counter() - clock["t0"]
+            clock["train_s"] += step_s
+            row = dict(iteration=state.global_step, rollout_s=step_s, reference_s=0.0, update_s=0.0)
+            if clock["train_s"] >= clock["next_eval"] or clock["train_s"] >= 60.0 * minutes:
+                clock["next_eval"] = (clock["train_s"] // (60.0 * eval_minutes) + 1) * 60.0 * eval_minutes
+                row.update(evaluate_fn(model))
+            rows.append(row)
+            control.should_training_stop = clock["train_s"] >= 60.0 * minutes
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs and rows:
+                rows[-1]["rollout_tokens"] = logs["completions/mean_length"] * TRL_SETTINGS["generation_batch_size"]
+                rows[-1]["reward"] = logs.get("reward", float("nan"))
+
+    tools = {}
+    if task == "chat-calc":
+        def calc(a: int, b: int) -> str:
+            """Multiply two whole numbers.
+
+            Args:
+                a: the first number
+                b: the second number
+            """
+            return str(int(a) * int(b))
+
+        tools = dict(tools=[calc])
+    with tempfile.TemporaryDirectory(prefix="bench_trl_") as out:
+        config = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", seed=seed, max_steps=100000,
+                            max_completion_length=train.answer_len, logging_steps=1, save_strategy="no",
+                            disable_tqdm=True, **TRL_SETTINGS)
+        defaults = {k: str(getattr(config, k, None)) for k in TRL_DEFAULTS_SHOWN}
+        try:
+            trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model)), args=config,
+                                  train_dataset=data, reward_funcs=reward,
+                                  processing_class=AutoTokenizer.from_pretrained(str(model)), callbacks=[Clock()],
+                                  **tools)
+        except Exception as err:  # TRL's refusal is the result
+            return dict(refused=f"{type(err).__name__}: {err}", rows=[], trl_defaults=defaults)
+        trainer.train()
+    return dict(rows=rows, trl_defaults=defaults, trl_settings=TRL_SETTINGS, peak_rss_gib=_peak_gib())
+
+
+def train_minutes(rows: list[dict]) -> list[float]:
+    """The training minutes at each row (rollouts, scoring and updates; evaluations excluded)."""
+    total, out = 0.0, []
+    for r in rows:
+        if r["iteration"] >= 1:
+            total += r["rollout_s"] + r["reference_s"] + r["update_s"]
+        out.append(total / 60.0)
+    return out
+
+
+def at_minutes(rows: list[dict], key: str, minute: float) -> float:
+    """The held-out ``key`` of the last evaluation at or before ``minute`` training minutes (row 0 for 0)."""
+    best = float("nan")
+    for m, r in zip(train_minutes(rows), rows):
+        if m <= minute + 1e-9 and r.get(key) == r.get(key):  # not nan
+            best = r[key]
+    return best

@@ -1,0 +1,215 @@
+"""What the critic buys: PPO with a critic against critic-free estimators, a plain loop and TRL, on SmolLM2.
+
+What it compares, per task, on the same model, training prompts, reward and held-out problems
+(200 per task; greedy and sampled at T = 1 at the start and after the first iteration past every
+5 training minutes), 15 training minutes a run, seeds 0, 1, 2:
+
+- ``ppo``: the job's recipe, PPO with the critic (``python -m ppo_objectives.train``);
+- ``grpo`` / ``rloo``: the same job with ``--advantage grpo`` / ``--advantage rloo`` (no critic);
+- ``plain``: the plain PyTorch policy-gradient loop of ``plain_pg_loop.py``;
+- ``trl``: TRL's ``GRPOTrainer``, its defaults but for the settings with a counterpart in the job
+  (``sides.TRL_SETTINGS``; every default in force is recorded in its rows); on ``chat-calc`` with the
+  same tool, or its refusal.
+
+Tasks: ``chat-add2`` (two-digit addition, 16 tokens), ``chat-calc`` (multi-turn, a calculator tool)
+and ``chat-word`` (two-step word problems answered with their working, 64 tokens).
+
+Training time is each side's own clock (generation, scoring, updates; evaluations excluded). Each
+run is a process of its own with one torch thread; run two at a time (``--runs`` in pairs) so that
+both see the same load. Each finished run's row is written at once to
+``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the rows already there.
+
+``--summary`` prints, per task: held-out accuracy (greedy / sampled, the last evaluation at or
+before the mark) at 0, 5, 10 and 15 minutes, median over seeds; the minutes and the rollout samples
+to reach 0.9 of the best side's final sampled accuracy; seconds per iteration; peak memory; and,
+for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
+bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
+held-out sampled accuracy against training minutes, iterations and rollout tokens.
+
+    pip install -e ".[bench]"        # TRL, outside the library's own dependencies
+    python benchmarks/study_critic.py --model runs/smollm2 --runs chat-add2:ppo:0 chat-add2:grpo:0
+    python benchmarks/study_critic.py --summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from sides import at_minutes, job_run, plain_run, train_minutes, trl_run
+
+HERE = Path(__file__).resolve()
+RESULTS = HERE.parent / "results" / "critic"
+TASKS = ("chat-add2", "chat-calc", "chat-word")
+SIDES = {"ppo": [], "grpo": ["--advantage", "grpo"], "rloo": ["--advantage", "rloo"], "plain": None, "trl": None}
+MARKS = (0, 5, 10, 15)
+MINUTES = 15.0
+
+
+def one_run(model: Path, task: str, side: str, seed: int, minutes: float) -> dict:
+    if side == "plain":
+        out = plain_run(model, task, seed, minutes)
+    elif side == "trl":
+        out = trl_run(model, task, seed, minutes)
+    else:
+        out = job_run(model, task, seed, minutes, SIDES[side])
+    return dict(task=task, side=side, seed=seed, minutes=minutes, **out)
+
+
+def load_runs() -> dict[str, dict[str, list[dict]]]:
+    """``{task: {side: [run, ...]}}`` of the rows written so far."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for path in sorted(RESULTS.glob("*/*/seed*.json")):
+        run = json.loads(path.read_text())
+        runs.setdefault(run["task"], {}).setdefault(run["side"], []).append(run)
+    return runs
+
+
+def bootstrap_diff(a: list[float], b: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """``mean(a) - mean(b)`` and its bootstrap 95% interval, each side's seeds resampled with replacement."""
+    rng = random.Random(seed)
+    diffs = sorted(statistics.fmean(rng.choices(a, k=len(a))) - statistics.fmean(rng.choices(b, k=len(b)))
+                   for _ in range(n))
+    return statistics.fmean(a) - statistics.fmean(b), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+
+
+def reach(rows: list[dict], target: float) -> tuple[float, float]:
+    """Training minutes and rollout samples at the first evaluation whose sampled accuracy reaches ``target``."""
+    samples = 0.0
+    for m, r in zip(train_minutes(rows), rows):
+        samples += r.get("episodes", 32.0) if r["iteration"] >= 1 else 0.0
+        if r.get("eval_sampled") == r.get("eval_sampled") and r["eval_sampled"] >= target:
+            return m, samples
+    return float("nan"), float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summary(plot: bool) -> None:
+    runs = load_runs()
+    if not runs:
+        print("no rows yet: run the sides first")
+        return
+    for task in TASKS:
+        sides = runs.get(task)
+        if not sides:
+            continue
+        print(f"\n## {task}\n")
+        done = {s: [r for r in rs if not r.get("refused")] for s, rs in sides.items()}
+        finals = {s: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}
+        target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
+        print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + f" | minutes to {target:.2f} | samples to "
+              f"{target:.2f} | s per iteration | peak GiB |")
+        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|")
+        for side, rs in sides.items():
+            if not done[side]:
+                print(f"| {side} | refused: {rs[0]['refused'][:160]} |")
+                continue
+            cells = [f"{_median([at_minutes(r['rows'], 'eval_greedy', m) for r in done[side]]):.3f} / "
+                     f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f}" for m in MARKS]
+            hits = [reach(r["rows"], target) for r in done[side]]
+            secs = _median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
+                            for r_ in r["rows"] if r_["iteration"] >= 1])
+            peak = _median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
+            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f} | "
+                  f"{_median([h[1] for h in hits]):.0f} | {secs:.1f} | {peak:.2f} |")
+        if "ppo" in done and done["ppo"]:
+            print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
+            for side in (s for s in done if s != "ppo" and done[s]):
+                cells = []
+                for m in MARKS[1:]:
+                    a = [at_minutes(r["rows"], "eval_sampled", m) for r in done["ppo"]]
+                    b = [at_minutes(r["rows"], "eval_sampled", m) for r in done[side]]
+                    d, lo, hi = bootstrap_diff(a, b)
+                    cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+                print(f"- {side}: " + "; ".join(cells))
+        if plot:
+            _plot(task, done)
+
+
+def _plot(task: str, sides: dict[str, list[dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for k, (side, rs) in enumerate(sides.items()):
+        for j, run in enumerate(rs):
+            rows = run["rows"]
+            tokens, total = [], 0.0
+            for r in rows:
+                total += r.get("rollout_tokens", 0.0) or 0.0
+                tokens.append(total)
+            xs = (train_minutes(rows), [r["iteration"] for r in rows], tokens)
+            for ax, x in zip(axes, xs):
+                pts = [(xi, r["eval_sampled"]) for xi, r in zip(x, rows) if r.get("eval_sampled") == r.get("eval_sampled")]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=f"C{k}", alpha=0.8, label=side if j == 0 else None)
+    for ax, label in zip(axes, ("training minutes", "iterations (optimizer steps for trl)", "rollout tokens")):
+        ax.set(xlabel=label)
+        ax.grid(alpha=0.3)
+    axes[0].set(ylabel="held-out accuracy, sampled at T = 1", ylim=(0, 1.02))
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{task} on SmolLM2-135M-Instruct, 200 held-out problems, one line per seed")
+    fig.tight_layout()
+    path = HERE.parent / f"critic_{task}.png"
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
+    p.add_argument("--runs", nargs="+", default=[f"{t}:{s}:{k}" for t in TASKS for k in (0, 1, 2) for s in SIDES],
+                   help="TASK:SIDE:SEED runs, two at a time in the order given")
+    p.add_argument("--minutes", type=float, default=MINUTES, help="training minutes per run")
+    p.add_argument("--summary", action="store_true", help="print the tables of the rows written and draw the plots")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--one-run", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.summary:
+        summary(not args.no_plot)
+        return 0
+    if not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model} is not a checkpoint directory; python -m ppo_objectives.pretrained --gguf "
+                f"smollm2 --out {args.model}")
+    runs = []
+    for spec in [args.one_run] if args.one_run else args.runs:
+        task, side, seed = (spec.split(":") + ["", ""])[:3]
+        if task not in TASKS or side not in SIDES or not seed.isdigit():
+            p.error(f"--runs {spec}: give TASK:SIDE:SEED with TASK one of {list(TASKS)} and SIDE one of "
+                    f"{list(SIDES)}, e.g. chat-add2:ppo:0")
+        runs.append((task, side, int(seed)))
+    if args.one_run:
+        task, side, seed = runs[0]
+        row = one_run(args.model, task, side, seed, args.minutes)
+        path = RESULTS / task / side / f"seed{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row))
+        return 0
+    todo = [r for r in runs if not (RESULTS / r[0] / r[1] / f"seed{r[2]}.json").exists()]
+    for r in runs:
+        if r not in todo:
+            print(f"{':'.join(map(str, r))}: written already, skipped", file=sys.stderr)
+    for i in range(0, len(todo), 2):  # two at a time
+        procs = [subprocess.Popen([sys.executable, str(HERE), "--one-run", f"{t}:{s}:{k}", "--model", str(args.model),
+                                   "--minutes", str(args.minutes)]) for t, s, k in todo[i:i + 2]]
+        if any(proc.wait() for proc in procs):
+            print("error: a run failed (its output is above)", file=sys.stderr)
+            return 1
+    summary(not args.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
