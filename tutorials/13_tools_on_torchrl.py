@@ -107,8 +107,7 @@ critic_lm = copy.deepcopy(policy_lm)  # the critic: its own copy of the pretrain
 
 # TorchRL needs (1): a pad token that is not the end-of-turn token.
 if tokenizer.pad_token_id == tokenizer.eos_token_id:
-    tokenizer.pad_token = "<|endoftext|>"
-    assert tokenizer.pad_token_id != tokenizer.unk_token_id, "pick another token of the vocabulary as the pad"
+    tokenizer.pad_token = "<|endoftext|>"  # SmolLM2's document separator: it never occurs inside a conversation
 print(f"pad {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}), end of turn {tokenizer.eos_token!r}")
 
 # TorchRL needs (2): the system message the template would add, written out.
