@@ -34,11 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from sides import at_minutes, job_run, plain_run, train_minutes, trl_run
+from sides import at_minutes, evaluated, job_run, plain_run, run_pairs, train_minutes, trl_run, write_row
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "tools"
@@ -50,6 +48,11 @@ SIDES = {
     "trl": None,
 }
 MARKS = (0, 5, 10, 20)
+
+
+def row_path(spec: str) -> Path:
+    side, _, seed = spec.partition(":")
+    return RESULTS / side / f"seed{seed}.json"
 
 
 def one_run(model: Path, side: str, seed: int, minutes: float) -> dict:
@@ -79,7 +82,7 @@ def summary(plot: bool) -> None:
         cells = [f"{at_minutes(rows, 'eval_greedy', m):.3f} / {at_minutes(rows, 'eval_sampled', m):.3f}" for m in MARKS]
         its = [r for r in rows if r["iteration"] >= 1]
         secs = statistics.median(r["rollout_s"] + r["reference_s"] + r["update_s"] for r in its)
-        calls = [r["eval_tool_calls"] for r in rows if r.get("eval_tool_calls") == r.get("eval_tool_calls")]
+        calls = [r["eval_tool_calls"] for r in rows if evaluated(r, "eval_tool_calls")]
         print(f"| {run['side']} | {run['seed']} | " + " | ".join(cells)
               + f" | {len(its)} | {secs:.1f} | {calls[-1] if calls else float('nan'):.3f} |")
     if plot:
@@ -95,7 +98,7 @@ def _plot(runs: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         pts = [(m, r["eval_sampled"]) for m, r in zip(train_minutes(run["rows"]), run["rows"])
-               if r.get("eval_sampled") == r.get("eval_sampled")]
+               if evaluated(r, "eval_sampled")]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"{run['side']} seed {run['seed']}")
     ax.set(xlabel="training minutes (rollouts and updates)", ylabel="held-out accuracy, sampled at T = 1",
@@ -132,21 +135,10 @@ def main(argv=None) -> int:
         runs.append((side, int(seed)))
     if args.one_run:
         side, seed = runs[0]
-        row = one_run(args.model, side, seed, args.minutes)
-        path = RESULTS / side / f"seed{seed}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(row))
+        write_row(row_path(args.one_run), one_run(args.model, side, seed, args.minutes))
         return 0
-    todo = [(s, k) for s, k in runs if not (RESULTS / s / f"seed{k}.json").exists()]
-    for s, k in runs:
-        if (s, k) not in todo:
-            print(f"{s}:{k}: written already, skipped", file=sys.stderr)
-    for i in range(0, len(todo), 2):  # two at a time
-        procs = [subprocess.Popen([sys.executable, str(HERE), "--one-run", f"{s}:{k}", "--model", str(args.model),
-                                   "--minutes", str(args.minutes)]) for s, k in todo[i:i + 2]]
-        if any(proc.wait() for proc in procs):
-            print("error: a run failed (its output is above)", file=sys.stderr)
-            return 1
+    if run_pairs(HERE, args.runs, row_path, args.model, args.minutes):
+        return 1
     summary(not args.no_plot)
     return 0
 

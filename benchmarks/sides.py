@@ -19,11 +19,13 @@ on evaluated rows, ``eval_greedy`` / ``eval_sampled`` (and ``eval_tool_calls`` o
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -160,10 +162,40 @@ def train_minutes(rows: list[dict]) -> list[float]:
     return out
 
 
+def evaluated(row: dict, key: str) -> bool:
+    """The row holds an evaluation's ``key`` (present, not nan)."""
+    value = row.get(key)
+    return value is not None and value == value
+
+
 def at_minutes(rows: list[dict], key: str, minute: float) -> float:
     """The held-out ``key`` of the last evaluation at or before ``minute`` training minutes (row 0 for 0)."""
     best = float("nan")
     for m, r in zip(train_minutes(rows), rows):
-        if m <= minute + 1e-9 and r.get(key) == r.get(key):  # not nan
+        if m <= minute + 1e-9 and evaluated(r, key):
             best = r[key]
     return best
+
+
+def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], model: Path, minutes: float) -> int:
+    """Run ``script --one-run SPEC`` for each spec whose row is not written yet, two processes at a time (one torch
+    thread each, so both see the same load), in the order given; 1 when a run failed."""
+    todo = [s for s in specs if not row_path(s).exists()]
+    for s in specs:
+        if s not in todo:
+            print(f"{s}: written already, skipped", file=sys.stderr)
+    for i in range(0, len(todo), 2):
+        pair = todo[i:i + 2]
+        print(f"running {' and '.join(pair)} ({minutes:g} training minutes each, evaluations on top)", file=sys.stderr)
+        procs = [subprocess.Popen([sys.executable, str(script), "--one-run", s, "--model", str(model), "--minutes",
+                                   str(minutes)]) for s in pair]
+        if any(proc.wait() for proc in procs):
+            print("error: a run failed (its output is above)", file=sys.stderr)
+            return 1
+    return 0
+
+
+def write_row(path: Path, row: dict) -> None:
+    """A finished run's row, written at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row))

@@ -37,11 +37,9 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from sides import at_minutes, job_run, plain_run, train_minutes, trl_run
+from sides import at_minutes, evaluated, job_run, plain_run, run_pairs, train_minutes, trl_run, write_row
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic"
@@ -49,6 +47,11 @@ TASKS = ("chat-add2", "chat-calc", "chat-word")
 SIDES = {"ppo": [], "grpo": ["--advantage", "grpo"], "rloo": ["--advantage", "rloo"], "plain": None, "trl": None}
 MARKS = (0, 5, 10, 15)
 MINUTES = 15.0
+
+
+def row_path(spec: str) -> Path:
+    task, side, seed = spec.split(":")
+    return RESULTS / task / side / f"seed{seed}.json"
 
 
 def one_run(model: Path, task: str, side: str, seed: int, minutes: float) -> dict:
@@ -83,7 +86,7 @@ def reach(rows: list[dict], target: float) -> tuple[float, float]:
     samples = 0.0
     for m, r in zip(train_minutes(rows), rows):
         samples += r.get("episodes", 32.0) if r["iteration"] >= 1 else 0.0
-        if r.get("eval_sampled") == r.get("eval_sampled") and r["eval_sampled"] >= target:
+        if evaluated(r, "eval_sampled") and r["eval_sampled"] >= target:
             return m, samples
     return float("nan"), float("nan")
 
@@ -151,7 +154,7 @@ def _plot(task: str, sides: dict[str, list[dict]]) -> None:
                 tokens.append(total)
             xs = (train_minutes(rows), [r["iteration"] for r in rows], tokens)
             for ax, x in zip(axes, xs):
-                pts = [(xi, r["eval_sampled"]) for xi, r in zip(x, rows) if r.get("eval_sampled") == r.get("eval_sampled")]
+                pts = [(xi, r["eval_sampled"]) for xi, r in zip(x, rows) if evaluated(r, "eval_sampled")]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=f"C{k}", alpha=0.8, label=side if j == 0 else None)
     for ax, label in zip(axes, ("training minutes", "iterations (optimizer steps for trl)", "rollout tokens")):
@@ -192,21 +195,10 @@ def main(argv=None) -> int:
         runs.append((task, side, int(seed)))
     if args.one_run:
         task, side, seed = runs[0]
-        row = one_run(args.model, task, side, seed, args.minutes)
-        path = RESULTS / task / side / f"seed{seed}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(row))
+        write_row(row_path(args.one_run), one_run(args.model, task, side, seed, args.minutes))
         return 0
-    todo = [r for r in runs if not (RESULTS / r[0] / r[1] / f"seed{r[2]}.json").exists()]
-    for r in runs:
-        if r not in todo:
-            print(f"{':'.join(map(str, r))}: written already, skipped", file=sys.stderr)
-    for i in range(0, len(todo), 2):  # two at a time
-        procs = [subprocess.Popen([sys.executable, str(HERE), "--one-run", f"{t}:{s}:{k}", "--model", str(args.model),
-                                   "--minutes", str(args.minutes)]) for t, s, k in todo[i:i + 2]]
-        if any(proc.wait() for proc in procs):
-            print("error: a run failed (its output is above)", file=sys.stderr)
-            return 1
+    if run_pairs(HERE, args.runs, row_path, args.model, args.minutes):
+        return 1
     summary(not args.no_plot)
     return 0
 

@@ -1,0 +1,45 @@
+"""The read-outs of the learning benchmarks (``benchmarks/sides.py``, ``benchmarks/study_critic.py``) on rows written by
+hand: which evaluation counts at a mark, when a run reaches a level, and the interval of a difference over seeds."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from sides import at_minutes, train_minutes  # noqa: E402
+from study_critic import bootstrap_diff, reach  # noqa: E402
+
+NAN = float("nan")
+
+
+def run(*evals):
+    """Rows of 2-minute iterations (1 s of it scoring); ``evals[i]`` is the sampled accuracy after iteration i."""
+    rows = [dict(iteration=0, rollout_s=0.0, reference_s=0.0, update_s=0.0, eval_sampled=evals[0])]
+    for i, acc in enumerate(evals[1:], 1):
+        rows.append(dict(iteration=i, rollout_s=60.0, reference_s=1.0, update_s=59.0, eval_sampled=acc, episodes=32))
+    return rows
+
+
+def test_a_mark_reads_the_last_evaluation_at_or_before_it():
+    rows = run(0.3, NAN, NAN, 0.8, NAN, 0.9)  # evaluated at 0, 6 and 10 minutes
+    assert train_minutes(rows) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert [at_minutes(rows, "eval_sampled", m) for m in (0, 5, 6, 9.9, 10, 15)] == [0.3, 0.3, 0.8, 0.8, 0.9, 0.9]
+    assert at_minutes(rows, "eval_greedy", 10) != at_minutes(rows, "eval_greedy", 10)  # never evaluated: nan
+
+
+def test_reach_gives_the_minutes_and_samples_of_the_first_evaluation_at_the_level():
+    rows = run(0.3, NAN, 0.85, NAN, 0.95)
+    assert reach(rows, 0.9) == (8.0, 4 * 32)
+    assert reach(rows, 0.3) == (0.0, 0)
+    minutes, samples = reach(rows, 0.99)
+    assert minutes != minutes and samples != samples  # never reached: nan, not the end of the run
+
+
+def test_bootstrap_interval_of_a_difference_over_seeds():
+    assert bootstrap_diff([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]) == (0.0, 0.0, 0.0)
+    d, lo, hi = bootstrap_diff([0.9, 0.95, 1.0], [0.5, 0.6, 0.7])
+    assert d == pytest.approx(0.35) and 0 < lo < d < hi
+    d, lo, hi = bootstrap_diff([0.2, 0.9, 0.5], [0.6, 0.3, 0.7])  # noisy seeds: the interval spans 0
+    assert lo < 0 < hi
