@@ -86,7 +86,7 @@ ITERATIONS = 1 if SMOKE else 4
 TURNS_PER_BATCH = 6 if SMOKE else 24  # assistant turns collected per iteration
 MAX_TURNS, TURN_TOKENS = 3, 16
 HELD_OUT = 4 if SMOKE else 64
-LR, CRITIC_LR, MINIBATCHES, KL_COEF, MAX_GRAD_NORM = 2e-5, 1e-3, 2, 0.01, 1.0
+LR, CRITIC_LR, MINIBATCHES, KL_COEF, MAX_GRAD_NORM = 2e-5, 1e-3, 4, 0.01, 1.0
 torch.manual_seed(SEED)
 
 # ---------------------------------------------------------------- 1. the model, offline
