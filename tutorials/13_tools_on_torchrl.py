@@ -103,7 +103,7 @@ else:
 tokenizer = load_tokenizer(MODEL)
 policy_lm = load_causal_lm(MODEL).hf_model  # the Hugging Face model itself: TorchRL's wrapper drives it
 reference_lm = copy.deepcopy(policy_lm).eval().requires_grad_(False)  # the frozen initial policy
-critic_lm = copy.deepcopy(policy_lm)  # the critic: its own copy of the pretrained trunk, and a value head
+critic_lm = copy.deepcopy(policy_lm)  # the critic: its own copy of the pretrained trunk, and a new value head
 
 # TorchRL needs (1): a pad token that is not the end-of-turn token.
 if tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -224,7 +224,9 @@ kl_transform = KLPenaltyTransform(CausalLMTokenLogProbs(reference_lm), coeff=KL_
 gae = MaskedGAE(gamma=1.0, lmbda=1.0, average_gae=False)
 loss_module = TokenPPOLoss(actor, critic, clip_epsilon=0.2, critic_coeff=0.5, clip_value=0.2, kl_to_ref_coeff=0.0)
 actor_opt = torch.optim.AdamW(policy_lm.parameters(), lr=LR, weight_decay=0.0)
-critic_opt = torch.optim.AdamW(critic.parameters(), lr=CRITIC_LR, weight_decay=0.0)
+# the critic's trunk is a pretrained model too: it moves at the actor's rate, its new value head at CRITIC_LR
+critic_opt = torch.optim.AdamW([{"params": critic.backbone.parameters(), "lr": LR},
+                                {"params": critic.head.parameters(), "lr": CRITIC_LR}], weight_decay=0.0)
 
 for it, batch in enumerate(collector):  # one row per assistant turn, [turns, T]
     if it == 0:
@@ -234,6 +236,8 @@ for it, batch in enumerate(collector):  # one row per assistant turn, [turns, T]
         seen = batch["attention_mask"][row]
         print("a turn row: the prompt it saw ends with", repr(tokenizer.decode(ids[seen & ~mask][-24:].tolist())))
         print("            and the model wrote", repr(tokenizer.decode(ids[mask].tolist())))
+    ended = batch["next", "done"].any(1).view(-1)  # a conversation's last turn
+    reward = batch["next", "reward"].sum((1, 2))[ended]  # the task's reward, before the KL penalty joins it
     with torch.no_grad():
         sample_log_probs(batch)  # TorchRL stored 0 for each turn's first token
         critic(batch)
@@ -249,10 +253,9 @@ for it, batch in enumerate(collector):  # one row per assistant turn, [turns, T]
         torch.nn.utils.clip_grad_norm_(critic.parameters(), MAX_GRAD_NORM)
         actor_opt.step()
         critic_opt.step()
-    ended = batch["next", "done"].any(1).view(-1)
-    reward = batch["next", "reward"].sum((1, 2))[ended]
+    kl = batch["kl_penalty"][batch["mask"]].mean()
     print(f"iteration {it + 1}: {batch.batch_size[0]} turns, {int(ended.sum())} conversations ended, reward "
-          f"{float(reward.mean()) if ended.any() else float('nan'):.2f}")
+          f"{float(reward.mean()) if ended.any() else float('nan'):.2f}, KL to the reference per token {float(kl):.4f}")
 collector.shutdown()
 
 # ---------------------------------------------------------------- 5. after
