@@ -54,7 +54,7 @@ SMOKE = os.environ.get("PPO_TUTORIAL_SMOKE") == "1"
 # ---------------------------------------------------------------- hyper-parameters (the job's pretrained recipe)
 SEED = int(os.environ.get("PPO_TUTORIAL_SEED", 0))
 ITERATIONS = 1 if SMOKE else 6
-NUM_ENVS = 4 if SMOKE else 32  # conversations per rollout
+NUM_ENVS = 4 if SMOKE else 32  # env rows; each runs conversations until its share of the batch's steps is spent
 MAX_TURNS, TURN_TOKENS = 3, 16  # the assistant's turns per conversation, tokens per turn
 MAX_NEW_TOKENS = 80  # the whole conversation after the prompt: three turns and two tool replies
 HELD_OUT = 4 if SMOKE else 64
@@ -114,7 +114,9 @@ show("before training")
 
 # ---------------------------------------------------------------- 4. one rollout: where the holes are
 env = TokenLMEnv.from_task(train_task, num_envs=NUM_ENVS, vocab_size=lm.vocab_size, seed=SEED)
-collector = Collector(env, ac.policy, frames_per_batch=NUM_ENVS * MAX_NEW_TOKENS, total_frames=-1,
+# A batch is N * max_steps policy steps (the most an episode can take: 3 turns of 16 here), as in the job: every
+# row finishes at least one conversation, and a row whose conversations are short starts the next ones.
+collector = Collector(env, ac.policy, frames_per_batch=NUM_ENVS * env.max_steps, total_frames=-1,
                       reset_at_each_iter=True, auto_register_policy_transforms=False,
                       postproc=ToLLMBatch(env.prompt_len, env.max_new_tokens))
 batches = iter(collector)
