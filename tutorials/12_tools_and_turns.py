@@ -29,6 +29,22 @@ same task in the training job, on all 200 held-out problems; ``benchmarks/README
 runs. ``PPO_TUTORIAL_SMOKE=1`` runs one iteration on a tiny random Llama built in code
 (``ppo_objectives.testing.tiny_chat_checkpoint``) so the test suite can run it anywhere;
 ``PPO_MODEL_DIR=DIR`` trains another checkpoint directory.
+
+What a run printed (2026-12-06, SmolLM2-135M-Instruct, seed 0, two CPU threads, 9.6 minutes in
+all), before training and after its 6 iterations, on 64 held-out problems::
+
+    before training: held-out greedy 0.95, sampled 0.30, sampled conversations with well-formed tool calls 0.34
+       sampled (1): assistant: calc(44*35) | user: calc result: 1540 | assistant: The answer is 1540.
+       sampled (0): assistant: 34 = 4.9*4 so 34*4 =
+       sampled (0): assistant: 216 equates to sqrt(216), so 216
+    iteration 1: 84 conversations, reward 0.29, 1.37 assistant turns each
+    iteration 2: 64 conversations, reward 0.97, 2.00 assistant turns each
+    ...
+    iteration 6: 64 conversations, reward 1.00, 2.00 assistant turns each
+    after training: held-out greedy 1.00, sampled 1.00, sampled conversations with well-formed tool calls 1.00
+       sampled (1): assistant: calc(44*35) | user: calc result: 1540 | assistant: The answer is 1540.
+       sampled (1): assistant: calc(34*49) | user: calc result: 1666 | assistant: The answer is 1666.
+       sampled (1): assistant: calc(61*48) | user: calc result: 2928 | assistant: The answer is 2928.
 """
 
 import os
