@@ -48,6 +48,21 @@ Run: ``python tutorials/13_tools_on_torchrl.py`` (the model as in tutorial 12:
 runs 4 iterations of 24 turns and evaluates 64 of the 200 held-out problems before and after.
 ``PPO_TUTORIAL_SMOKE=1`` runs one iteration on a tiny random Llama built in code, with a stand-in
 tool (the random model never writes a call); ``PPO_MODEL_DIR=DIR`` trains another checkpoint.
+
+What a run printed (2026-12-06, SmolLM2-135M-Instruct, seed 0, two CPU threads, 5.0 minutes in
+all), on the same 64 held-out problems as tutorial 12's::
+
+    before training: held-out greedy 0.95, sampled 0.30, sampled conversations with well-formed tool calls 0.34
+    iteration 1: 24 turns, 16 conversations ended, reward 0.38, KL to the reference per token 0.0000
+    iteration 2: 24 turns, 13 conversations ended, reward 0.54, KL to the reference per token 0.1097
+    iteration 3: 24 turns, 18 conversations ended, reward 0.11, KL to the reference per token 0.4147
+    iteration 4: 24 turns, 13 conversations ended, reward 0.31, KL to the reference per token 0.2083
+    after training: held-out greedy 1.00, sampled 0.42, sampled conversations with well-formed tool calls 0.66
+
+It learns, less far and less steadily than tutorial 12's run (1.00 sampled after 6 iterations of
+64-84 conversations): four batches of 24 turns are about 60 conversations in all, a third of an
+iteration there, and each turn's advantage rests on the new critic's value after the tool's reply
+(the cut semantics) rather than on the final reward.
 """
 
 import copy
