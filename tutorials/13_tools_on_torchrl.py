@@ -60,8 +60,8 @@ all), on the same 64 held-out problems as tutorial 12's::
     after training: held-out greedy 1.00, sampled 0.42, sampled conversations with well-formed tool calls 0.66
 
 It learns, less far and less steadily than tutorial 12's run (1.00 sampled after 6 iterations of
-64-84 conversations): four batches of 24 turns are about 60 conversations in all, a third of an
-iteration there, and each turn's advantage rests on the new critic's value after the tool's reply
+64-84 conversations, 404 in all): its four batches of 24 turns finished 60 conversations, and
+each turn's advantage rests on the new critic's value after the tool's reply
 (the cut semantics) rather than on the final reward.
 """
 
