@@ -31,12 +31,22 @@ iterations, seconds per iteration and the well-formed tool-call rate per side, a
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from sides import at_minutes, evaluated, job_run, plain_run, run_pairs, train_minutes, trl_run, write_row
+from sides import (
+    at_minutes,
+    check_model,
+    evaluated,
+    job_run,
+    plain_run,
+    run_pairs,
+    runner_arguments,
+    train_minutes,
+    trl_run,
+    write_row,
+)
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "tools"
@@ -111,22 +121,12 @@ def _plot(runs: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
-    p.add_argument("--runs", nargs="+", default=["job:0", "job-cut:0", "job-grpo:0", "plain:0", "trl:0", "job:1", "job:2"],
-                   help="SIDE:SEED runs, two at a time in the order given")
-    p.add_argument("--minutes", type=float, default=20.0, help="training minutes per run")
-    p.add_argument("--summary", action="store_true", help="print the table of the rows written and draw the plot")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--one-run", help=argparse.SUPPRESS)
+    p = runner_arguments(__doc__, ["job:0", "job-cut:0", "job-grpo:0", "plain:0", "trl:0", "job:1", "job:2"], 20.0, "SIDE:SEED")
     args = p.parse_args(argv)
     if args.summary:
         summary(not args.no_plot)
         return 0
-    if not (args.model / "config.json").is_file():
-        p.error(f"--model {args.model} is not a checkpoint directory; python -m ppo_objectives.pretrained --gguf "
-                f"smollm2 --out {args.model}")
+    check_model(p, args.model)
     runs = []
     for spec in [args.one_run] if args.one_run else args.runs:
         side, _, seed = spec.partition(":")

@@ -177,6 +177,28 @@ def at_minutes(rows: list[dict], key: str, minute: float) -> float:
     return best
 
 
+def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str):
+    """The command line of a learning benchmark: ``--model``, ``--runs`` (``spec`` names their form), ``--minutes``,
+    ``--summary``, ``--no-plot`` (and ``--one-run``, the pair runner's own)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
+    p.add_argument("--runs", nargs="+", default=default_runs, help=f"{spec} runs, two at a time in the order given")
+    p.add_argument("--minutes", type=float, default=minutes, help="training minutes per run")
+    p.add_argument("--summary", action="store_true", help="print the tables of the rows written and draw the plots")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--one-run", help=argparse.SUPPRESS)
+    return p
+
+
+def check_model(parser, model: Path) -> None:
+    """``--model`` must be a checkpoint directory: else one ``error:`` line with the command that makes one."""
+    if not (model / "config.json").is_file():
+        parser.error(f"--model {model} is not a checkpoint directory; python -m ppo_objectives.pretrained --gguf "
+                     f"smollm2 --out {model}")
+
+
 def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], model: Path, minutes: float) -> int:
     """Run ``script --one-run SPEC`` for each spec whose row is not written yet, two processes at a time (one torch
     thread each, so both see the same load), in the order given; 1 when a run failed."""

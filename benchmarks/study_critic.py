@@ -33,13 +33,23 @@ held-out sampled accuracy against training minutes, iterations and rollout token
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 from pathlib import Path
 
-from sides import at_minutes, evaluated, job_run, plain_run, run_pairs, train_minutes, trl_run, write_row
+from sides import (
+    at_minutes,
+    check_model,
+    evaluated,
+    job_run,
+    plain_run,
+    run_pairs,
+    runner_arguments,
+    train_minutes,
+    trl_run,
+    write_row,
+)
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic"
@@ -170,22 +180,12 @@ def _plot(task: str, sides: dict[str, list[dict]]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
-    p.add_argument("--runs", nargs="+", default=[f"{t}:{s}:{k}" for t in TASKS for k in (0, 1, 2) for s in SIDES],
-                   help="TASK:SIDE:SEED runs, two at a time in the order given")
-    p.add_argument("--minutes", type=float, default=MINUTES, help="training minutes per run")
-    p.add_argument("--summary", action="store_true", help="print the tables of the rows written and draw the plots")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--one-run", help=argparse.SUPPRESS)
+    p = runner_arguments(__doc__, [f"{t}:{s}:{k}" for t in TASKS for k in (0, 1, 2) for s in SIDES], MINUTES, "TASK:SIDE:SEED")
     args = p.parse_args(argv)
     if args.summary:
         summary(not args.no_plot)
         return 0
-    if not (args.model / "config.json").is_file():
-        p.error(f"--model {args.model} is not a checkpoint directory; python -m ppo_objectives.pretrained --gguf "
-                f"smollm2 --out {args.model}")
+    check_model(p, args.model)
     runs = []
     for spec in [args.one_run] if args.one_run else args.runs:
         task, side, seed = (spec.split(":") + ["", ""])[:3]
