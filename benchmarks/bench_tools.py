@@ -39,12 +39,10 @@ from sides import (
     at_minutes,
     check_model,
     evaluated,
-    job_run,
-    plain_run,
     run_pairs,
+    run_side,
     runner_arguments,
     train_minutes,
-    trl_run,
     write_row,
 )
 
@@ -66,13 +64,7 @@ def row_path(spec: str) -> Path:
 
 
 def one_run(model: Path, side: str, seed: int, minutes: float) -> dict:
-    if side == "trl":
-        out = trl_run(model, "chat-calc", seed, minutes)
-    elif side == "plain":
-        out = plain_run(model, "chat-calc", seed, minutes)
-    else:
-        out = job_run(model, "chat-calc", seed, minutes, SIDES[side])
-    return dict(side=side, seed=seed, minutes=minutes, **out)
+    return dict(side=side, seed=seed, minutes=minutes, **run_side(model, "chat-calc", side, seed, minutes, SIDES[side]))
 
 
 def summary(plot: bool) -> None:

@@ -152,6 +152,15 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
     return dict(rows=rows, trl_defaults=defaults, trl_settings=TRL_SETTINGS, peak_rss_gib=_peak_gib())
 
 
+def run_side(model: Path, task: str, side: str, seed: int, minutes: float, flags: list[str] | None) -> dict:
+    """One run: the plain loop (``side`` "plain"), TRL (``side`` "trl"), else the job with ``flags``."""
+    if side == "plain":
+        return plain_run(model, task, seed, minutes)
+    if side == "trl":
+        return trl_run(model, task, seed, minutes)
+    return job_run(model, task, seed, minutes, flags)
+
+
 def train_minutes(rows: list[dict]) -> list[float]:
     """The training minutes at each row (rollouts, scoring and updates; evaluations excluded)."""
     total, out = 0.0, []

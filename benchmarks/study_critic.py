@@ -42,12 +42,10 @@ from sides import (
     at_minutes,
     check_model,
     evaluated,
-    job_run,
-    plain_run,
     run_pairs,
+    run_side,
     runner_arguments,
     train_minutes,
-    trl_run,
     write_row,
 )
 
@@ -65,13 +63,7 @@ def row_path(spec: str) -> Path:
 
 
 def one_run(model: Path, task: str, side: str, seed: int, minutes: float) -> dict:
-    if side == "plain":
-        out = plain_run(model, task, seed, minutes)
-    elif side == "trl":
-        out = trl_run(model, task, seed, minutes)
-    else:
-        out = job_run(model, task, seed, minutes, SIDES[side])
-    return dict(task=task, side=side, seed=seed, minutes=minutes, **out)
+    return dict(task=task, side=side, seed=seed, minutes=minutes, **run_side(model, task, side, seed, minutes, SIDES[side]))
 
 
 def load_runs() -> dict[str, dict[str, list[dict]]]:
