@@ -20,7 +20,9 @@ both see the same load. Each finished run's row is written at once to
 ``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the rows already there.
 
 ``--summary`` prints, per task: held-out accuracy (greedy / sampled, the last evaluation at or
-before the mark) at 0, 5, 10 and 15 minutes, median over seeds; the minutes and the rollout samples
+before the mark) at 0, 5, 10 and 15 minutes and at the run's last evaluation (with its minute: a
+side evaluates after the first iteration past each mark, so its last one can fall just past 15),
+median over seeds; the minutes and the rollout samples
 to reach 0.9 of the best side's final sampled accuracy; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
 bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
@@ -93,6 +95,13 @@ def reach(rows: list[dict], target: float) -> tuple[float, float]:
     return float("nan"), float("nan")
 
 
+def final(rows: list[dict]) -> tuple[float, float, float]:
+    """``(minutes, greedy, sampled)`` of the run's last evaluation (made after its last iteration, which may end a
+    little past the budget, so the 15-minute column, at or before 15, can miss it)."""
+    last = [(m, r) for m, r in zip(train_minutes(rows), rows) if evaluated(r, "eval_sampled")][-1]
+    return last[0], last[1]["eval_greedy"], last[1]["eval_sampled"]
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -111,15 +120,19 @@ def summary(plot: bool) -> None:
         done = {s: [r for r in rs if not r.get("refused")] for s, rs in sides.items()}
         finals = {s: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
-        print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + f" | minutes to {target:.2f} | samples to "
+        print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + " | last evaluation (its minute) | "
+              f"minutes to {target:.2f} | samples to "
               f"{target:.2f} | s per iteration | peak GiB |")
-        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|")
+        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|---|")
         for side, rs in sides.items():
             if not done[side]:
                 print(f"| {side} | refused: {rs[0]['refused'][:160]} |")
                 continue
             cells = [f"{_median([at_minutes(r['rows'], 'eval_greedy', m) for r in done[side]]):.3f} / "
                      f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f}" for m in MARKS]
+            last = [final(r["rows"]) for r in done[side]]
+            cells.append(f"{_median([x[1] for x in last]):.3f} / {_median([x[2] for x in last]):.3f} "
+                         f"({_median([x[0] for x in last]):.1f})")
             hits = [reach(r["rows"], target) for r in done[side]]
             secs = _median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
                             for r_ in r["rows"] if r_["iteration"] >= 1])

@@ -43,3 +43,12 @@ def test_bootstrap_interval_of_a_difference_over_seeds():
     assert d == pytest.approx(0.35) and 0 < lo < d < hi
     d, lo, hi = bootstrap_diff([0.2, 0.9, 0.5], [0.6, 0.3, 0.7])  # noisy seeds: the interval spans 0
     assert lo < 0 < hi
+
+
+def test_the_last_evaluation_is_read_with_its_minute():
+    from study_critic import final
+
+    rows = run(0.3, NAN, 0.85, 0.9, NAN)  # evaluated at 0, 4 and 6 minutes; the run ends at 8
+    for r, greedy in zip(rows, (0.4, NAN, 0.9, 0.95, NAN)):
+        r["eval_greedy"] = greedy
+    assert final(rows) == (6.0, 0.95, 0.9)
