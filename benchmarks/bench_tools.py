@@ -20,8 +20,8 @@ Training time is each side's own clock (rollouts and updates, evaluations exclud
 ``--time-limit 20 --eval-minutes 5``); ``sides.py`` runs the sides. Each run is a process of its own, with one torch thread;
 run two at a time so that both see the same load. Each finished run's row is written at once to
 ``benchmarks/results/tools/SIDE/seedS.json`` (the run's ``metrics.csv`` rows); a re-run skips the
-rows already there. ``--summary`` prints held-out accuracy at 0, 5, 10 and 20 minutes (the last
-evaluation at or before each mark: a side evaluates after the first iteration past every 5 minutes), the
+rows already there. ``--summary`` prints held-out accuracy at 0, 5, 10 and 20 minutes (the
+evaluation made for each mark: a side evaluates after the first iteration past every 5 minutes), the
 iterations, seconds per iteration and the well-formed tool-call rate per side, and draws
 ``benchmarks/tools.png`` (held-out sampled accuracy against training minutes).
 

@@ -177,13 +177,20 @@ def evaluated(row: dict, key: str) -> bool:
     return value is not None and value == value
 
 
-def at_minutes(rows: list[dict], key: str, minute: float) -> float:
-    """The held-out ``key`` of the last evaluation at or before ``minute`` training minutes (row 0 for 0)."""
-    best = float("nan")
+def mark_evaluation(rows: list[dict], minute: float, within: float = 5.0) -> tuple[float, dict]:
+    """``(training minute, row)`` of the evaluation made for the mark ``minute``: the first one at or after it and
+    before ``minute + within`` (a side evaluates after the first iteration past each mark, so up to one iteration
+    late); ``(nan, {})`` when there is none. Row 0 for 0."""
     for m, r in zip(train_minutes(rows), rows):
-        if m <= minute + 1e-9 and evaluated(r, key):
-            best = r[key]
-    return best
+        if minute - 1e-9 <= m < minute + within and any(evaluated(r, k) for k in ("eval_greedy", "eval_sampled")):
+            return m, r
+    return float("nan"), {}
+
+
+def at_minutes(rows: list[dict], key: str, minute: float) -> float:
+    """The held-out ``key`` of the evaluation made for the mark ``minute`` (:func:`mark_evaluation`); nan if none."""
+    row = mark_evaluation(rows, minute)[1]
+    return row[key] if evaluated(row, key) else float("nan")
 
 
 def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str):

@@ -19,10 +19,9 @@ run is a process of its own with one torch thread; run two at a time (``--runs``
 both see the same load. Each finished run's row is written at once to
 ``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the rows already there.
 
-``--summary`` prints, per task: held-out accuracy (greedy / sampled, the last evaluation at or
-before the mark) at 0, 5, 10 and 15 minutes and at the run's last evaluation (with its minute: a
-side evaluates after the first iteration past each mark, so its last one can fall just past 15),
-median over seeds; the minutes and the rollout samples
+``--summary`` prints, per task: held-out accuracy (greedy / sampled) at 0, 5, 10 and 15 minutes,
+median over seeds, each with the median training minute it was measured at (a side evaluates after
+the first iteration past each mark, so up to one iteration late); the minutes and the rollout samples
 to reach 0.9 of the best side's final sampled accuracy; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
 bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
@@ -44,6 +43,7 @@ from sides import (
     at_minutes,
     check_model,
     evaluated,
+    mark_evaluation,
     run_pairs,
     run_side,
     runner_arguments,
@@ -95,13 +95,6 @@ def reach(rows: list[dict], target: float) -> tuple[float, float]:
     return float("nan"), float("nan")
 
 
-def final(rows: list[dict]) -> tuple[float, float, float]:
-    """``(minutes, greedy, sampled)`` of the run's last evaluation (made after its last iteration, which may end a
-    little past the budget, so the 15-minute column, at or before 15, can miss it)."""
-    last = [(m, r) for m, r in zip(train_minutes(rows), rows) if evaluated(r, "eval_sampled")][-1]
-    return last[0], last[1]["eval_greedy"], last[1]["eval_sampled"]
-
-
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -120,19 +113,17 @@ def summary(plot: bool) -> None:
         done = {s: [r for r in rs if not r.get("refused")] for s, rs in sides.items()}
         finals = {s: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
-        print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + " | last evaluation (its minute) | "
+        print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + " | "
               f"minutes to {target:.2f} | samples to "
               f"{target:.2f} | s per iteration | peak GiB |")
-        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|---|")
+        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|")
         for side, rs in sides.items():
             if not done[side]:
                 print(f"| {side} | refused: {rs[0]['refused'][:160]} |")
                 continue
             cells = [f"{_median([at_minutes(r['rows'], 'eval_greedy', m) for r in done[side]]):.3f} / "
-                     f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f}" for m in MARKS]
-            last = [final(r["rows"]) for r in done[side]]
-            cells.append(f"{_median([x[1] for x in last]):.3f} / {_median([x[2] for x in last]):.3f} "
-                         f"({_median([x[0] for x in last]):.1f})")
+                     f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f} "
+                     f"({_median([mark_evaluation(r['rows'], m)[0] for r in done[side]]):.1f})" for m in MARKS]
             hits = [reach(r["rows"], target) for r in done[side]]
             secs = _median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
                             for r_ in r["rows"] if r_["iteration"] >= 1])

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from sides import at_minutes, train_minutes  # noqa: E402
+from sides import at_minutes, mark_evaluation, train_minutes  # noqa: E402
 from study_critic import bootstrap_diff, reach  # noqa: E402
 
 NAN = float("nan")
@@ -22,10 +22,14 @@ def run(*evals):
     return rows
 
 
-def test_a_mark_reads_the_last_evaluation_at_or_before_it():
+def test_a_mark_reads_the_evaluation_made_for_it_up_to_one_window_late():
     rows = run(0.3, NAN, NAN, 0.8, NAN, 0.9)  # evaluated at 0, 6 and 10 minutes
     assert train_minutes(rows) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
-    assert [at_minutes(rows, "eval_sampled", m) for m in (0, 5, 6, 9.9, 10, 15)] == [0.3, 0.3, 0.8, 0.8, 0.9, 0.9]
+    assert [at_minutes(rows, "eval_sampled", m) for m in (0, 5, 6, 9.9, 10)] == [0.3, 0.8, 0.8, 0.9, 0.9]
+    assert mark_evaluation(rows, 5)[0] == 6.0
+    minute, row = mark_evaluation(rows, 15)  # the run ended at 10: no evaluation for the mark 15
+    assert minute != minute and row == {}
+    assert at_minutes(rows, "eval_sampled", 1) != at_minutes(rows, "eval_sampled", 1)  # next one is 5 minutes on
     assert at_minutes(rows, "eval_greedy", 10) != at_minutes(rows, "eval_greedy", 10)  # never evaluated: nan
 
 
@@ -43,12 +47,3 @@ def test_bootstrap_interval_of_a_difference_over_seeds():
     assert d == pytest.approx(0.35) and 0 < lo < d < hi
     d, lo, hi = bootstrap_diff([0.2, 0.9, 0.5], [0.6, 0.3, 0.7])  # noisy seeds: the interval spans 0
     assert lo < 0 < hi
-
-
-def test_the_last_evaluation_is_read_with_its_minute():
-    from study_critic import final
-
-    rows = run(0.3, NAN, 0.85, 0.9, NAN)  # evaluated at 0, 4 and 6 minutes; the run ends at 8
-    for r, greedy in zip(rows, (0.4, NAN, 0.9, 0.95, NAN)):
-        r["eval_greedy"] = greedy
-    assert final(rows) == (6.0, 0.95, 0.9)
