@@ -207,8 +207,9 @@ def tiny_chat_checkpoint(path, *, hidden_size: int = 32, num_layers: int = 2, se
 
     The embedding has ``len(tokenizer)`` rounded up to a multiple of ``vocab_multiple`` rows (real
     checkpoints pad their vocabulary too, so the model's ``V`` exceeds the tokenizer's), the LM
-    head is tied to it, and the weights are drawn under ``torch.manual_seed(seed)`` (the global RNG
-    is restored). Returns ``path`` as a ``pathlib.Path``: a directory ``--model`` and
+    head is tied to it, positions run to 512 (the job's longest built-in prompts, ``chat-word``'s, take
+    about 390 of this small vocabulary's tokens with their answers), and the weights are drawn under
+    ``torch.manual_seed(seed)`` (the global RNG is restored). Returns ``path`` as a ``pathlib.Path``: a directory ``--model`` and
     ``AutoModelForCausalLM.from_pretrained`` load.
     """
     from pathlib import Path
@@ -219,7 +220,7 @@ def tiny_chat_checkpoint(path, *, hidden_size: int = 32, num_layers: int = 2, se
     vocab = -(-len(tok) // vocab_multiple) * vocab_multiple
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                         max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

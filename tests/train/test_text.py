@@ -43,16 +43,19 @@ def test_the_jobs_text_tasks_are_the_built_in_ones_and_jsonl():
 def test_chat_word_split_is_disjoint_seeded_and_its_answers_follow_the_stories():
     import re
 
-    from ppo_objectives.train.word import ASK, STORIES, word_examples
+    from ppo_objectives.train.word import ASK, ONE_SHOT, STORIES, word_examples
 
     train, held_out = word_examples("train"), word_examples("eval")
     assert len(held_out) == 200 and word_examples("eval") == held_out
-    assert not {e.prompt[0]["content"] for e in train} & {e.prompt[0]["content"] for e in held_out}
+    assert not {e.prompt[-1]["content"] for e in train} & {e.prompt[-1]["content"] for e in held_out}
     assert [e.prompt for e in word_examples("eval", split_seed=1)] != [e.prompt for e in held_out]
+    shot_question = ONE_SHOT[0]["content"]
+    assert {e.prompt[-1]["content"] for e in train + held_out}.isdisjoint({shot_question})
+    assert re.findall(r"\d+", ONE_SHOT[1]["content"])[-1] == "25"  # the worked answer is right: 2 * 14 - 3
     minus = plus = 0
     for e in train + held_out:  # every answer recomputed from the numbers of its story, independently
-        text = e.prompt[0]["content"]
-        assert text.endswith(ASK) and len(e.prompt) == 1
+        text = e.prompt[-1]["content"]
+        assert text.endswith(ASK) and e.prompt[:-1] == ONE_SHOT
         x, y, c = (int(n) for n in re.findall(r"\d+", text))
         taken = any(w in text for w in ("gives away", "are taken"))
         assert e.fields["answer"] == x * y + (-c if taken else c) and e.fields["answer"] > 0
