@@ -12,7 +12,8 @@ What it compares, per task, on the same model, training prompts, reward and held
   same tool, or its refusal.
 
 Tasks: ``chat-add2`` (two-digit addition, 16 tokens), ``chat-calc`` (multi-turn, a calculator tool)
-and ``chat-word`` (two-step word problems answered with their working, 64 tokens).
+and ``chat-word`` (two-step word problems with numbers up to 9, after one worked exchange, answered
+with their working, 64 tokens).
 
 Training time is each side's own clock (generation, scoring, updates; evaluations excluded). Each
 run is a process of its own with one torch thread; run two at a time (``--runs`` in pairs) so that
@@ -139,7 +140,10 @@ def summary(plot: bool) -> None:
                     b = [at_minutes(r["rows"], "eval_sampled", m) for r in done[side]]
                     d, lo, hi = bootstrap_diff(a, b)
                     cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-                print(f"- {side}: " + "; ".join(cells))
+                seeds = f"{len(done['ppo'])} against {len(done[side])} seeds"
+                thin = "; a side of one seed has no spread of its own, so this is not yet a test" if min(
+                    len(done["ppo"]), len(done[side])) < 2 else ""
+                print(f"- {side} ({seeds}{thin}): " + "; ".join(cells))
         if plot:
             _plot(task, done)
 
