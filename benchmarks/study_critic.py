@@ -23,7 +23,8 @@ both see the same load. Each finished run's row is written at once to
 ``--summary`` prints, per task: held-out accuracy (greedy / sampled) at 0, 5, 10 and 15 minutes,
 median over seeds, each with the median training minute it was measured at (a side evaluates after
 the first iteration past each mark, so up to one iteration late); the minutes and the rollout samples
-to reach 0.9 of the best side's final sampled accuracy; seconds per iteration; peak memory; and,
+to reach 0.9 of the best side's final sampled accuracy; the iterations (optimizer steps for TRL) and
+rollout tokens of the whole run; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
 bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
 held-out sampled accuracy against training minutes, iterations and rollout tokens.
@@ -116,8 +117,8 @@ def summary(plot: bool) -> None:
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + " | "
               f"minutes to {target:.2f} | samples to "
-              f"{target:.2f} | s per iteration | peak GiB |")
-        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|")
+              f"{target:.2f} | iterations | rollout tokens | s per iteration | peak GiB |")
+        print("|---|---|" + "---|" * len(MARKS) + "---|---|---|---|---|---|")
         for side, rs in sides.items():
             if not done[side]:
                 print(f"| {side} | refused: {rs[0]['refused'][:160]} |")
@@ -129,8 +130,10 @@ def summary(plot: bool) -> None:
             secs = _median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
                             for r_ in r["rows"] if r_["iteration"] >= 1])
             peak = _median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
+            its = _median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
+            tokens = _median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
             print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f} | "
-                  f"{_median([h[1] for h in hits]):.0f} | {secs:.1f} | {peak:.2f} |")
+                  f"{_median([h[1] for h in hits]):.0f} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
         if "ppo" in done and done["ppo"]:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):
