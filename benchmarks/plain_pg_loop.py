@@ -65,7 +65,8 @@ def held_out_evaluator(task: TextTask, seed: int, samples: int = 1, well_formed=
 
 
 def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: float, evaluate_fn,
-                  prompts_per_batch: int = 8, group_size: int = 4, lr: float = 1e-5, on_row=None) -> list[dict]:
+                  prompts_per_batch: int = 8, group_size: int = 4, lr: float = 1e-5, micro_batches: int = 1,
+                  on_row=None) -> list[dict]:
     """Train ``model_dir`` on ``task`` (a ``TextTask``) for ``minutes`` of training time; returns the rows
     ``{iteration, train_s, reward, generate_s, update_s[, eval_greedy, eval_sampled]}`` (evaluation time excluded).
 
@@ -78,7 +79,8 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rows, train_s, it, next_eval = [dict(iteration=0, train_s=0.0, **evaluate_fn(model))], 0.0, 0, 60.0 * eval_minutes
     while train_s < 60.0 * minutes:
-        row = plain_pg_step(model, opt, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
+        row = plain_pg_step(model, opt, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size,
+                            micro_batches=micro_batches)
         it += 1
         train_s += row["generate_s"] + row["update_s"]
         row = dict(iteration=it, train_s=train_s, **row)
@@ -92,14 +94,21 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
 
 
 def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
-                  group_size: int = 4) -> dict:
-    """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``."""
+                  group_size: int = 4, micro_batches: int = 1) -> dict:
+    """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``. One AdamW step on the
+    whole batch; ``micro_batches`` > 1 accumulates its gradient over that many slices of rows (the same
+    gradient, a fraction of the activations' memory)."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"plain_pg_step micro_batches={micro_batches!r}: give a whole number >= 1 (1: the whole batch "
+                         f"in one backward)")
     t0 = time.perf_counter()
     batch = sample_group_batch(model, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
     t1 = time.perf_counter()
-    loss = pg_loss(model, batch)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    n = batch["out"].shape[0]
+    step = -(-n // micro_batches)
+    for start in range(0, n, step):
+        pg_loss(model, batch, slice(start, start + step)).backward()
     opt.step()
     t2 = time.perf_counter()
     return dict(reward=float(batch["reward"].mean()), generate_s=t1 - t0, update_s=t2 - t1,
@@ -183,16 +192,18 @@ def sample_conversations(model, task, idx: torch.Tensor, group_size: int) -> dic
                 prompt_mask=prompt_mask, reward=reward, adv=adv)
 
 
-def pg_loss(model, batch: dict) -> torch.Tensor:
+def pg_loss(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:
     """The policy-gradient loss of a ``sample_group_batch``: advantage-weighted log-probs of the response
-    tokens the model wrote (``resp_mask``; a tool's tokens are read, never trained), from the model's logits at the positions ``generate`` used, averaged over the valid tokens."""
-    resp, resp_mask = batch["resp"], batch["resp_mask"]
-    full_mask = torch.cat([batch["prompt_mask"].bool(), batch["resp_attn"]], 1)
+    tokens the model wrote (``resp_mask``; a tool's tokens are read, never trained), from the model's logits at
+    the positions ``generate`` used, averaged over the valid tokens of the whole batch. ``rows`` takes a slice of
+    the rows: the losses of the slices of a partition sum to the batch's loss (gradient accumulation)."""
+    resp, resp_mask = batch["resp"][rows], batch["resp_mask"][rows]
+    full_mask = torch.cat([batch["prompt_mask"][rows].bool(), batch["resp_attn"][rows]], 1)
     positions = (full_mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=batch["out"], attention_mask=full_mask.long(), position_ids=positions,
+    logits = model(input_ids=batch["out"][rows], attention_mask=full_mask.long(), position_ids=positions,
                    logits_to_keep=resp.shape[1] + 1).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, resp[..., None]).squeeze(-1)  # [B, R]
-    return -(batch["adv"][:, None] * logp * resp_mask).sum() / resp_mask.sum().clamp(min=1)
+    return -(batch["adv"][rows, None] * logp * resp_mask).sum() / batch["resp_mask"].sum().clamp(min=1)
 
 
 def build_tasks(name: str, tokenizer) -> tuple[TextTask, TextTask, object]:

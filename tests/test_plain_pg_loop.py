@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from plain_pg_loop import pg_loss, sample_group_batch  # noqa: E402
+from plain_pg_loop import pg_loss, plain_pg_step, sample_group_batch  # noqa: E402
 
 from ppo_objectives.llm.env import TokenLMEnv  # noqa: E402
 from ppo_objectives.testing import tiny_chat_checkpoint, tiny_chat_tokenizer  # noqa: E402
@@ -102,3 +102,25 @@ def test_plain_loss_reads_tool_tokens_and_never_trains_them(setup):
         r, c = holes.nonzero()[0].tolist()
         other["out"][r, P + c] = (other["out"][r, P + c] + 1) % len(task.tokenizer)
         assert float(pg_loss(model, other)) != pytest.approx(float(want), abs=1e-7)
+
+
+def test_micro_batches_give_the_whole_batchs_gradient(setup):
+    task, model, batch = setup
+    batch = dict(batch, adv=torch.linspace(-1.0, 1.0, batch["out"].shape[0]))  # the sampled groups may all tie
+    grads = []
+    for parts in (1, 3):  # 3 slices of uneven size
+        model.zero_grad(set_to_none=True)
+        step = -(-batch["out"].shape[0] // parts)
+        for start in range(0, batch["out"].shape[0], step):
+            pg_loss(model, batch, slice(start, start + step)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_micro_batches_must_be_a_whole_number_from_1(setup, bad):
+    task, model, _ = setup
+    with pytest.raises(ValueError, match=r"micro_batches=.*whole number >= 1"):
+        plain_pg_step(model, torch.optim.SGD(model.parameters(), lr=0.0), task, torch.Generator(), micro_batches=bad)
