@@ -12,7 +12,7 @@ What it compares, per task, on the same model, training prompts, reward and held
   same tool, or its refusal.
 
 Tasks: ``chat-add2`` (two-digit addition, 16 tokens), ``chat-calc`` (multi-turn, a calculator tool)
-and ``chat-word`` (two-step word problems with numbers up to 9, after one worked exchange, answered
+and ``chat-word`` (two-step word problems with factors up to 6, after one worked exchange, answered
 with their working, 64 tokens).
 
 Training time is each side's own clock (generation, scoring, updates; evaluations excluded). Each
@@ -23,7 +23,8 @@ both see the same load. Each finished run's row is written at once to
 ``--summary`` prints, per task: held-out accuracy (greedy / sampled) at 0, 5, 10 and 15 minutes,
 median over seeds, each with the median training minute it was measured at (a side evaluates after
 the first iteration past each mark, so up to one iteration late); the minutes and the rollout samples
-to reach 0.9 of the best side's final sampled accuracy; the iterations (optimizer steps for TRL) and
+to reach 0.9 of the best side's final sampled accuracy (median over the seeds that reach it, and how many
+do when not all); the iterations (optimizer steps for TRL) and
 rollout tokens of the whole run; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
 bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
@@ -132,8 +133,10 @@ def summary(plot: bool) -> None:
             peak = _median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
             its = _median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
             tokens = _median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
-            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f} | "
-                  f"{_median([h[1] for h in hits]):.0f} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
+            reached = sum(h[0] == h[0] for h in hits)
+            of = "" if reached == len(hits) else f" ({reached} of {len(hits)} seeds)"
+            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f}{of} | "
+                  f"{_median([h[1] for h in hits]):.0f}{of} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
         if "ppo" in done and done["ppo"]:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):
