@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10: the installed package's metadata lis
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *(ROOT / "docs" / name for name in ("comparison.md", "distributed.md", "real_lm.md"))]
+PAGES = [README, *(ROOT / "docs" / name for name in ("comparison.md", "critic.md", "distributed.md", "real_lm.md"))]
 MAX_README_LINES = 150
 MAX_EXAMPLE_LINES = 20
 # programs a page may name besides python and pip: shell builtins, and the launchers of the extras' packages
@@ -92,6 +92,9 @@ def _check_script_run(script: str, args: list[str], where: str) -> None:
     path = ROOT / script
     assert path.is_file(), f"{where}: {script} does not exist"
     source = path.read_text(encoding="utf-8")
+    for module in re.findall(r"^from (\w+) import", source, flags=re.M):  # a sibling module may define the flags
+        sibling = path.parent / f"{module}.py"
+        source += sibling.read_text(encoding="utf-8") if sibling.is_file() else ""
     for flag in _flags(args):
         assert f'"{flag}"' in source or f"'{flag}'" in source, f"{where}: {script} has no flag {flag}"
 
