@@ -105,10 +105,7 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
     batch = sample_group_batch(model, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
     t1 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    n = batch["out"].shape[0]
-    step = -(-n // micro_batches)
-    for start in range(0, n, step):
-        pg_loss(model, batch, slice(start, start + step)).backward()
+    pg_backward(model, batch, micro_batches)
     opt.step()
     t2 = time.perf_counter()
     return dict(reward=float(batch["reward"].mean()), generate_s=t1 - t0, update_s=t2 - t1,
@@ -190,6 +187,15 @@ def sample_conversations(model, task, idx: torch.Tensor, group_size: int) -> dic
     adv = (reward.view(-1, group_size) - reward.view(-1, group_size).mean(1, keepdim=True)).view(-1)
     return dict(out=torch.cat([prompt_ids, resp_t], 1), resp=resp_t, resp_mask=resp_mask, resp_attn=resp_attn,
                 prompt_mask=prompt_mask, reward=reward, adv=adv)
+
+
+def pg_backward(model, batch: dict, micro_batches: int = 1) -> None:
+    """Accumulate the gradient of :func:`pg_loss` over ``micro_batches`` slices of the batch's rows (the last one
+    may be shorter): the whole batch's gradient, with the activations of one slice at a time."""
+    n = batch["out"].shape[0]
+    step = -(-n // micro_batches)
+    for start in range(0, n, step):
+        pg_loss(model, batch, slice(start, start + step)).backward()
 
 
 def pg_loss(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:

@@ -81,13 +81,13 @@ def plain_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: f
 
     torch.set_num_threads(1)
     train, held_out, well_formed = build_tasks(task, load_tokenizer(model))
+    micro_batches = PLAIN_MICRO_BATCHES.get(task, 1)
     rows = plain_pg_loop(model, train, seed=seed, minutes=minutes, eval_minutes=eval_minutes,
-                         micro_batches=PLAIN_MICRO_BATCHES.get(task, 1),
-                         evaluate_fn=held_out_evaluator(held_out, seed, well_formed=well_formed))
+                         micro_batches=micro_batches, evaluate_fn=held_out_evaluator(held_out, seed, well_formed=well_formed))
     for r in rows:
         r.update(rollout_s=r.pop("generate_s", 0.0), reference_s=0.0, update_s=r.get("update_s", 0.0),
                  rollout_tokens=r.pop("response_tokens", 0))
-    return dict(rows=rows, micro_batches=PLAIN_MICRO_BATCHES.get(task, 1), peak_rss_gib=_peak_gib())
+    return dict(rows=rows, micro_batches=micro_batches, peak_rss_gib=_peak_gib())
 
 
 def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: float = 5.0) -> dict:
@@ -110,6 +110,7 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
     def reward(prompts, completions, answer, **kwargs):
         return [score(c[-1]["content"], a) for c, a in zip(completions, answer)]
 
+    settings = {**TRL_SETTINGS, **TRL_TASK_SETTINGS.get(task, {})}
     rows: list[dict] = []
     clock = dict(train_s=0.0, next_eval=60.0 * eval_minutes, t0=0.0)
 
@@ -133,7 +134,7 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs and rows:
-                rows[-1]["rollout_tokens"] = logs["completions/mean_length"] * TRL_SETTINGS["generation_batch_size"]
+                rows[-1]["rollout_tokens"] = logs["completions/mean_length"] * settings["generation_batch_size"]
                 rows[-1]["reward"] = logs.get("reward", float("nan"))
 
     tools = {}
@@ -148,7 +149,6 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
             return str(int(a) * int(b))
 
         tools = dict(tools=[calc])
-    settings = {**TRL_SETTINGS, **TRL_TASK_SETTINGS.get(task, {})}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as out:
         config = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", seed=seed, max_steps=100000,
                             max_completion_length=train.answer_len, logging_steps=1, save_strategy="no",

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from plain_pg_loop import pg_loss, plain_pg_step, sample_group_batch  # noqa: E402
+from plain_pg_loop import pg_backward, pg_loss, plain_pg_step, sample_group_batch  # noqa: E402
 
 from ppo_objectives.llm.env import TokenLMEnv  # noqa: E402
 from ppo_objectives.testing import tiny_chat_checkpoint, tiny_chat_tokenizer  # noqa: E402
@@ -110,9 +110,7 @@ def test_micro_batches_give_the_whole_batchs_gradient(setup):
     grads = []
     for parts in (1, 3):  # 3 slices of uneven size
         model.zero_grad(set_to_none=True)
-        step = -(-batch["out"].shape[0] // parts)
-        for start in range(0, batch["out"].shape[0], step):
-            pg_loss(model, batch, slice(start, start + step)).backward()
+        pg_backward(model, batch, parts)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
