@@ -117,8 +117,10 @@ def test_micro_batches_give_the_whole_batchs_gradient(setup):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0])
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
 def test_micro_batches_must_be_a_whole_number_from_1(setup, bad):
-    task, model, _ = setup
-    with pytest.raises(ValueError, match=r"micro_batches=.*whole number >= 1"):
+    task, model, batch = setup
+    with pytest.raises(ValueError, match=r"plain_pg_step micro_batches=.*whole number >= 1"):
         plain_pg_step(model, torch.optim.SGD(model.parameters(), lr=0.0), task, torch.Generator(), micro_batches=bad)
+    with pytest.raises(ValueError, match=r"pg_backward micro_batches=.*whole number >= 1"):
+        pg_backward(model, batch, bad)
