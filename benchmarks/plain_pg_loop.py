@@ -44,6 +44,9 @@ from ppo_objectives.llm.hf import HFCausalLMAdapter
 from ppo_objectives.train.pretrained import load_tokenizer
 from ppo_objectives.train.text import TextTask, arithmetic_examples, evaluate, number_reward
 from ppo_objectives.train.word import final_number_reward, word_examples
+from ppo_objectives._validate import check_int
+
+MICRO_BATCHES_WHAT = " (1: the whole batch in one backward)"
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1, well_formed=None):
@@ -98,7 +101,7 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
     """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``. One AdamW step on the
     whole batch; ``micro_batches`` > 1 accumulates its gradient over that many slices of rows (the same
     gradient, a fraction of the activations' memory)."""
-    _check_micro_batches("plain_pg_step", micro_batches)  # before the minutes of generation
+    check_int("micro_batches", micro_batches, where="plain_pg_step ", what=MICRO_BATCHES_WHAT)  # before generating
     t0 = time.perf_counter()
     batch = sample_group_batch(model, task, gen, prompts_per_batch=prompts_per_batch, group_size=group_size)
     t1 = time.perf_counter()
@@ -190,17 +193,11 @@ def sample_conversations(model, task, idx: torch.Tensor, group_size: int) -> dic
 def pg_backward(model, batch: dict, micro_batches: int = 1) -> None:
     """Accumulate the gradient of :func:`pg_loss` over ``micro_batches`` slices of the batch's rows (the last one
     may be shorter): the whole batch's gradient, with the activations of one slice at a time."""
-    _check_micro_batches("pg_backward", micro_batches)
+    check_int("micro_batches", micro_batches, where="pg_backward ", what=MICRO_BATCHES_WHAT)
     n = batch["out"].shape[0]
     step = -(-n // micro_batches)
     for start in range(0, n, step):
         pg_loss(model, batch, slice(start, start + step)).backward()
-
-
-def _check_micro_batches(caller: str, micro_batches) -> None:
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"{caller} micro_batches={micro_batches!r}: give a whole number >= 1 (1: the whole batch "
-                         f"in one backward)")
 
 
 def pg_loss(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:

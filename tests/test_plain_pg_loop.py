@@ -118,9 +118,9 @@ def test_micro_batches_give_the_whole_batchs_gradient(setup):
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_micro_batches_must_be_a_whole_number_from_1(setup, bad):
+def test_micro_batches_must_be_an_int_from_1(setup, bad):
     task, model, batch = setup
-    with pytest.raises(ValueError, match=r"plain_pg_step micro_batches=.*whole number >= 1"):
+    with pytest.raises(ValueError, match=r"plain_pg_step micro_batches=.* must be an int >= 1 \(1: the whole batch"):
         plain_pg_step(model, torch.optim.SGD(model.parameters(), lr=0.0), task, torch.Generator(), micro_batches=bad)
-    with pytest.raises(ValueError, match=r"pg_backward micro_batches=.*whole number >= 1"):
+    with pytest.raises(ValueError, match=r"pg_backward micro_batches=.* must be an int >= 1 \(1: the whole batch"):
         pg_backward(model, batch, bad)
