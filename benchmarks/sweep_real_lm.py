@@ -11,6 +11,10 @@ One seed per variant: it shows large effects and says nothing about small ones.
     python benchmarks/sweep_real_lm.py                                 # every variant below, 5 minutes each
     python benchmarks/sweep_real_lm.py --variants default "--kl-reward-coeff 0" "--no-average-gae "   # a flag alone: end it
                                                                                         # with a space
+
+``--against-study`` (with ``--summary-only``, ``--task chat-add2``) sets each variant's rows, every seed found, against
+the recipe's rows of ``study_critic.py`` (its ``ppo`` side) at 5, 10 and 15 training minutes: the difference of the
+means over seeds, held-out sampled accuracy, with a bootstrap 95% interval.
 """
 
 from __future__ import annotations
@@ -47,6 +51,20 @@ def _name(variant: str) -> str:
     return variant.strip().replace("--", "").replace(" ", "_") or "default"
 
 
+def against_study(variant: str, runs: list[list[dict]], recipe: list[list[dict]]) -> str:
+    """``variant - recipe`` over seeds at the study's marks: each side's rows per seed, sampled accuracy."""
+    from sides import at_minutes
+    from study_critic import MARKS, bootstrap_diff
+
+    cells = []
+    for m in MARKS[1:]:
+        d, lo, hi = bootstrap_diff([at_minutes(r, "eval_sampled", m) for r in runs],
+                                   [at_minutes(r, "eval_sampled", m) for r in recipe])
+        cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    thin = "; a side of one seed has no spread of its own, so this is not a test" if min(len(runs), len(recipe)) < 2 else ""
+    return f"- `{variant}` ({len(runs)} against {len(recipe)} seeds{thin}): " + "; ".join(cells)
+
+
 def _evals(rows: list[dict]) -> str:
     return ", ".join(f"{r['train_s'] / 60:.1f}m {r['eval_greedy']:.2f}/{r['eval_sampled']:.2f}"
                      for r in rows if not math.isnan(r.get("eval_greedy", math.nan)))
@@ -65,7 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/sweep_real_lm"))
     p.add_argument("--summary-only", action="store_true")
+    p.add_argument("--against-study", action="store_true",
+                   help="with --summary-only: each variant against study_critic.py's rows of the recipe")
     args = p.parse_args(argv)
+    if args.against_study and not args.summary_only:
+        p.error("--against-study reads rows already written: add --summary-only")
+    if args.against_study:
+        return _print_against_study(args)
     if not args.summary_only and not (args.model / "config.json").is_file():
         export_hf_checkpoint("smollm2", args.model)
     print(f"| variant ({args.task}, seed {args.seed}, {args.minutes:g} min) | held-out greedy/sampled at minute | "
@@ -86,6 +110,22 @@ def main(argv=None) -> int:
         last = its[-3:]
         print(f"| `{variant}` | {_evals(rows)} | {len(its)} | {sum(split):.1f} ({', '.join(f'{x:.1f}' for x in split)})"
               f" | {sum(r['reward'] for r in last) / len(last):.2f} | {its[-1]['kl_ref']:.3f} |", flush=True)
+    return 0
+
+
+def _print_against_study(args) -> int:
+    from study_critic import load_runs
+
+    recipe = [r["rows"] for r in load_runs().get(args.task, {}).get("ppo", [])]
+    if not recipe:
+        print(f"error: study_critic.py has no rows of the recipe on {args.task}: run its {args.task}:ppo:SEED first",
+              file=sys.stderr)
+        return 2
+    print(f"variant - recipe on {args.task}, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
+    for variant in args.variants:
+        paths = sorted((args.out / args.task).glob(f"seed*/{_name(variant)}/rows.json"))
+        if paths:
+            print(against_study(variant, [json.loads(q.read_text()) for q in paths], recipe))
     return 0
 
 

@@ -47,3 +47,38 @@ def test_bootstrap_interval_of_a_difference_over_seeds():
     assert d == pytest.approx(0.35) and 0 < lo < d < hi
     d, lo, hi = bootstrap_diff([0.2, 0.9, 0.5], [0.6, 0.3, 0.7])  # noisy seeds: the interval spans 0
     assert lo < 0 < hi
+
+
+def marks(at5, at10, at15):
+    """A run evaluated for the marks 5, 10 and 15 (at 6, 10 and 16 training minutes)."""
+    return run(0.0, NAN, NAN, at5, NAN, at10, NAN, NAN, at15)
+
+
+def test_a_sweep_variant_is_set_against_the_study_recipe_at_each_mark():
+    from sweep_real_lm import against_study
+
+    line = against_study("--lr 3e-5", [marks(0.5, 0.6, 0.7), marks(0.5, 0.6, 0.7)],
+                         [marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5)])
+    assert line == ("- `--lr 3e-5` (2 against 3 seeds): 5 min +0.100 [+0.100, +0.100]; "
+                    "10 min +0.000 [+0.000, +0.000]; 15 min +0.200 [+0.200, +0.200]")
+    thin = against_study("--lr 3e-5", [marks(0.5, 0.6, 0.7)], [marks(0.4, 0.6, 0.5), marks(0.3, 0.6, 0.5)])
+    assert "(1 against 2 seeds; a side of one seed has no spread of its own, so this is not a test)" in thin
+    assert "5 min +0.150 [+0.100, +0.200]" in thin
+
+
+def test_the_sweep_refuses_against_study_without_summary_only(capsys):
+    from sweep_real_lm import main
+
+    with pytest.raises(SystemExit):
+        main(["--against-study"])
+    assert "error: --against-study reads rows already written: add --summary-only" in capsys.readouterr().err
+
+
+def test_the_sweep_against_study_names_the_missing_recipe_rows(tmp_path, monkeypatch, capsys):
+    import study_critic
+    from sweep_real_lm import main
+
+    monkeypatch.setattr(study_critic, "RESULTS", tmp_path)
+    assert main(["--summary-only", "--against-study", "--task", "chat-add2", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: study_critic.py has no rows of the recipe on chat-add2: "
+                                               "run its chat-add2:ppo:SEED first")
