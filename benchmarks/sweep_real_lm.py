@@ -124,8 +124,8 @@ def _print_against_study(args) -> int:
     print(f"variant - recipe on {args.task}, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
     for variant in args.variants:
         paths = sorted((args.out / args.task).glob(f"seed*/{_name(variant)}/rows.json"))
-        if paths:
-            print(against_study(variant, [json.loads(q.read_text()) for q in paths], recipe))
+        print(against_study(variant, [json.loads(q.read_text()) for q in paths], recipe) if paths else
+              f"- `{variant}`: no rows under {args.out / args.task}/seed*/{_name(variant)}/")
     return 0
 
 

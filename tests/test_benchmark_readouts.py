@@ -82,3 +82,26 @@ def test_the_sweep_against_study_names_the_missing_recipe_rows(tmp_path, monkeyp
     assert main(["--summary-only", "--against-study", "--task", "chat-add2", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == ("error: study_critic.py has no rows of the recipe on chat-add2: "
                                                "run its chat-add2:ppo:SEED first")
+
+
+def test_the_sweep_against_study_reads_every_seed_and_names_a_variant_without_rows(tmp_path, monkeypatch, capsys):
+    import json
+
+    import study_critic
+    from sweep_real_lm import main
+
+    study = tmp_path / "critic"
+    for seed in (0, 1):
+        path = study / "chat-add2" / "ppo" / f"seed{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(task="chat-add2", side="ppo", seed=seed, rows=marks(0.4, 0.6, 0.5))))
+    for seed in (0, 2):
+        path = tmp_path / "sweep" / "chat-add2" / f"seed{seed}" / "lr_3e-5" / "rows.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(marks(0.5, 0.6, 0.7)))
+    monkeypatch.setattr(study_critic, "RESULTS", study)
+    assert main(["--summary-only", "--against-study", "--task", "chat-add2", "--out", str(tmp_path / "sweep"),
+                 "--variants", "--lr 3e-5", "--lr 1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "- `--lr 3e-5` (2 against 2 seeds): 5 min +0.100 [+0.100, +0.100]" in out
+    assert f"- `--lr 1e-5`: no rows under {tmp_path / 'sweep' / 'chat-add2'}/seed*/lr_1e-5/" in out
