@@ -88,6 +88,19 @@ def bootstrap_diff(a: list[float], b: list[float], n: int = 10000, seed: int = 0
     return statistics.fmean(a) - statistics.fmean(b), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
+def difference_line(label: str, a: list[list[dict]], b: list[list[dict]]) -> str:
+    """``- label (N against M seeds): 5 min d [lo, hi]; ...``: ``mean(a) - mean(b)`` of the held-out sampled accuracy
+    at each mark after 0 with its bootstrap 95% interval (:func:`bootstrap_diff`); ``a`` and ``b`` hold one run's
+    rows per seed."""
+    cells = []
+    for m in MARKS[1:]:
+        d, lo, hi = bootstrap_diff([at_minutes(rows, "eval_sampled", m) for rows in a],
+                                   [at_minutes(rows, "eval_sampled", m) for rows in b])
+        cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    thin = "; a side of one seed has no spread of its own, so this is not yet a test" if min(len(a), len(b)) < 2 else ""
+    return f"- {label} ({len(a)} against {len(b)} seeds{thin}): " + "; ".join(cells)
+
+
 def reach(rows: list[dict], target: float) -> tuple[float, float]:
     """Training minutes and rollout samples at the first evaluation whose sampled accuracy reaches ``target``."""
     samples = 0.0
@@ -140,16 +153,7 @@ def summary(plot: bool) -> None:
         if "ppo" in done and done["ppo"]:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):
-                cells = []
-                for m in MARKS[1:]:
-                    a = [at_minutes(r["rows"], "eval_sampled", m) for r in done["ppo"]]
-                    b = [at_minutes(r["rows"], "eval_sampled", m) for r in done[side]]
-                    d, lo, hi = bootstrap_diff(a, b)
-                    cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-                seeds = f"{len(done['ppo'])} against {len(done[side])} seeds"
-                thin = "; a side of one seed has no spread of its own, so this is not yet a test" if min(
-                    len(done["ppo"]), len(done[side])) < 2 else ""
-                print(f"- {side} ({seeds}{thin}): " + "; ".join(cells))
+                print(difference_line(side, [r["rows"] for r in done["ppo"]], [r["rows"] for r in done[side]]))
         if plot:
             _plot(task, done)
 

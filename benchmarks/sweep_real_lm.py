@@ -51,20 +51,6 @@ def _name(variant: str) -> str:
     return variant.strip().replace("--", "").replace(" ", "_") or "default"
 
 
-def against_study(variant: str, runs: list[list[dict]], recipe: list[list[dict]]) -> str:
-    """``variant - recipe`` over seeds at the study's marks: each side's rows per seed, sampled accuracy."""
-    from sides import at_minutes
-    from study_critic import MARKS, bootstrap_diff
-
-    cells = []
-    for m in MARKS[1:]:
-        d, lo, hi = bootstrap_diff([at_minutes(r, "eval_sampled", m) for r in runs],
-                                   [at_minutes(r, "eval_sampled", m) for r in recipe])
-        cells.append(f"{m} min {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-    thin = "; a side of one seed has no spread of its own, so this is not a test" if min(len(runs), len(recipe)) < 2 else ""
-    return f"- `{variant}` ({len(runs)} against {len(recipe)} seeds{thin}): " + "; ".join(cells)
-
-
 def _evals(rows: list[dict]) -> str:
     return ", ".join(f"{r['train_s'] / 60:.1f}m {r['eval_greedy']:.2f}/{r['eval_sampled']:.2f}"
                      for r in rows if not math.isnan(r.get("eval_greedy", math.nan)))
@@ -114,7 +100,8 @@ def main(argv=None) -> int:
 
 
 def _print_against_study(args) -> int:
-    from study_critic import load_runs
+    """Each variant's rows, every seed, against the study's rows of the recipe (:func:`study_critic.difference_line`)."""
+    from study_critic import difference_line, load_runs
 
     recipe = [r["rows"] for r in load_runs().get(args.task, {}).get("ppo", [])]
     if not recipe:
@@ -124,7 +111,7 @@ def _print_against_study(args) -> int:
     print(f"variant - recipe on {args.task}, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
     for variant in args.variants:
         paths = sorted((args.out / args.task).glob(f"seed*/{_name(variant)}/rows.json"))
-        print(against_study(variant, [json.loads(q.read_text()) for q in paths], recipe) if paths else
+        print(difference_line(f"`{variant}`", [json.loads(q.read_text()) for q in paths], recipe) if paths else
               f"- `{variant}`: no rows under {args.out / args.task}/seed*/{_name(variant)}/")
     return 0
 

@@ -54,15 +54,15 @@ def marks(at5, at10, at15):
     return run(0.0, NAN, NAN, at5, NAN, at10, NAN, NAN, at15)
 
 
-def test_a_sweep_variant_is_set_against_the_study_recipe_at_each_mark():
-    from sweep_real_lm import against_study
+def test_a_difference_line_sets_one_side_against_another_at_each_mark():
+    from study_critic import difference_line
 
-    line = against_study("--lr 3e-5", [marks(0.5, 0.6, 0.7), marks(0.5, 0.6, 0.7)],
-                         [marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5)])
+    line = difference_line("`--lr 3e-5`", [marks(0.5, 0.6, 0.7), marks(0.5, 0.6, 0.7)],
+                           [marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5), marks(0.4, 0.6, 0.5)])
     assert line == ("- `--lr 3e-5` (2 against 3 seeds): 5 min +0.100 [+0.100, +0.100]; "
                     "10 min +0.000 [+0.000, +0.000]; 15 min +0.200 [+0.200, +0.200]")
-    thin = against_study("--lr 3e-5", [marks(0.5, 0.6, 0.7)], [marks(0.4, 0.6, 0.5), marks(0.3, 0.6, 0.5)])
-    assert "(1 against 2 seeds; a side of one seed has no spread of its own, so this is not a test)" in thin
+    thin = difference_line("`--lr 3e-5`", [marks(0.5, 0.6, 0.7)], [marks(0.4, 0.6, 0.5), marks(0.3, 0.6, 0.5)])
+    assert "(1 against 2 seeds; a side of one seed has no spread of its own, so this is not yet a test)" in thin
     assert "5 min +0.150 [+0.100, +0.200]" in thin
 
 
