@@ -225,9 +225,12 @@ T.assert_matches_reference(MaskedGAE(gamma=0.99, lmbda=0.95)(rows.clone())["adva
 print("collector rows: MaskedGAE matches the loop over trajectories (done flags, bootstraps, holes)")
 
 # --------------------------------------------------------------------------- #
-# 5. In pytest: the fixtures come with the package (a pytest plugin), no import.
+# 5. In pytest: the fixtures come with the package. Installing it installs a
+#    pytest plugin (the pytest11 entry point "ppo_objectives") that pytest loads
+#    by itself: no import and nothing in conftest.py; it imports torch only when
+#    a test asks for a fixture. `pytest -p no:ppo_objectives` switches it off.
 # --------------------------------------------------------------------------- #
-print("\n== 5. the same checks as a pytest file (fixtures from the ppo_objectives plugin)")
+print("\n== 5. the same checks as a pytest file (fixtures from the ppo_objectives plugin, no conftest.py)")
 print('''
     def test_length_cost_ignores_padding(ppo_masked_response_batch, ppo_testing):   # runs once per mask kind
         ppo_testing.assert_mask_invariant(LengthCost(), ppo_masked_response_batch)

@@ -34,8 +34,11 @@ enough to run in milliseconds.
   check whose message gives the largest absolute and relative errors and where).
 
 The same helpers are pytest fixtures (``ppo_response_batch``,
-``ppo_tiny_actor_critic``, ...) in any test file once the package is installed:
-see ``ppo_objectives/testing/pytest_plugin.py``.
+``ppo_tiny_actor_critic``, ...) in every pytest session once the package is
+installed, with nothing to import and nothing to add to a ``conftest.py``: the
+package's ``pytest11`` entry point ``ppo_objectives`` loads the plugin
+:mod:`ppo_objectives_pytest`, which imports this kit only when a test asks for a
+fixture (``pytest -p no:ppo_objectives`` switches it off).
 
 Example:
     >>> import torch

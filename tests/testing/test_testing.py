@@ -1,6 +1,8 @@
 """The testing kit (ppo_objectives.testing) and its pytest plugin: factories, references, tiny networks, assertions."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -404,11 +406,32 @@ def test_generator(ppo_generator):
 '''
 
 
-def test_the_opt_in_pytest_plugin_gives_fixtures_without_imports(pytester):
-    pytester.makepyfile(test_user=USER_TEST)
-    quiet = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # hypothesis' plugin costs a second a run
-    result = pytester.runpytest(*quiet, "-k", "generator")
-    result.assert_outcomes(errors=1)  # not turned on: another project's pytest session never sees the fixtures
-    pytester.makeconftest('pytest_plugins = ["ppo_objectives.testing.pytest_plugin"]')
-    result = pytester.runpytest(*quiet)
+QUIET = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # hypothesis' plugin costs a second a run
+
+
+def test_the_installed_plugin_gives_fixtures_with_no_setup(pytester):
+    pytester.makepyfile(test_user=USER_TEST)  # no conftest.py, no import, no -p: the pytest11 entry point
+    result = pytester.runpytest(*QUIET)
     result.assert_outcomes(passed=2 + len(KINDS) - 1)  # every kind but all_valid
+    result = pytester.runpytest(*QUIET, "-p", "no:ppo_objectives", "-k", "generator")
+    result.assert_outcomes(errors=1)  # switched off by its entry-point name
+    result.stdout.fnmatch_lines(["*fixture 'ppo_generator' not found*"])
+
+
+def test_importing_the_plugin_imports_no_torch():
+    # pytest imports the plugin in every session of the environment: it must not cost torch's seconds there
+    heavy = "{'torch', 'tensordict', 'ppo_objectives'}"
+    code = f"import sys, ppo_objectives_pytest; print(sorted({heavy} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_session_that_uses_no_fixture_never_imports_the_kit(pytester):
+    pytester.makepyfile(test_other="""
+        import sys
+
+        def test_nothing_heavy_was_imported(request):
+            assert request.config.pluginmanager.has_plugin("ppo_objectives")
+            assert not {"torch", "ppo_objectives"} & set(sys.modules)
+    """)
+    pytester.runpytest_subprocess(*QUIET).assert_outcomes(passed=1)  # a fresh interpreter: nothing imported yet
