@@ -52,7 +52,9 @@ MINIMIND_PPO_DEFAULTS: dict[str, Any] = {
     "lmbda": 0.95,  # --lam
 }
 
-_ESTIMATOR_KEYS = ("advantage", "value_target", "value", "reward", "done", "terminated", "truncated", "mask")
+_ESTIMATOR_KEYS = (
+    "advantage", "value_target", "value", "reward", "done", "terminated", "truncated", "mask", "critic_free",
+)  # fmt: skip
 
 
 def _check_hyperparameters(*, dual_clip, aggregation, kl_estimator, kl_clamp, clip_value, **coeffs) -> None:
@@ -133,7 +135,19 @@ class TokenPPOLoss(LossModule):
     ``value_target`` and, with ``clip_value``, ``state_value`` when there is a
     critic) and the networks' ``in_keys``, so ``td.select(*loss.in_keys)`` keeps
     the inputs of one call on a batch whose advantages are computed (the value
-    estimator's entries, read only when ``advantage`` is missing, are not listed).
+    estimator's entries, read only when ``advantage`` is missing, are not listed,
+    nor is ``critic_free``, read only to refuse a batch).
+
+    **Critic-free advantages.** :class:`~ppo_objectives.value.critic_free.GroupAdvantage` and
+    :class:`~ppo_objectives.value.critic_free.ReinforcePlusPlus` have no critic: their
+    ``value_target`` is a copy of the advantage, and they mark the batch with a
+    ``critic_free`` entry. Train on them with ``TokenPPOLoss(actor, None)``. A loss with
+    a critic refuses them rather than regress its critic onto advantages: as its value
+    estimator (:meth:`make_value_estimator`), and as a batch whose ``critic_free``
+    entry is set while its ``value_target`` still equals its ``advantage`` (a
+    ``ValueError``; the comparison is one host read, only on marked batches, skipped
+    under :func:`~ppo_objectives.functional.value_checks` ``(False)``). A batch whose
+    advantages were recomputed since, e.g. by :class:`MaskedGAE`, passes.
 
     **Missing or empty mask.** Without a ``mask`` entry every token takes part
     (TorchRL's convention: collector batches have no mask), so a padded batch
@@ -159,6 +173,8 @@ class TokenPPOLoss(LossModule):
     ``"ref_log_prob"``       log-probs under the frozen reference (required when kl_to_ref_coeff > 0)
     ``"advantage"``          per-token advantages; computed by the value estimator when absent
     ``"value_target"``       returns ``G_t`` for the critic (required with a critic)
+    ``"critic_free"``        written by the critic-free estimators; with a critic, a batch
+                             carrying it is refused (see "Critic-free advantages")
     ``"state_value"`` value  critic values at rollout time ``V_old`` (required when clip_value)
     ``"log_prob"``           written by the actor network (field ``log_prob``)
     ``"entropy"``            optionally written by the actor network (field ``entropy``)
@@ -290,6 +306,8 @@ class TokenPPOLoss(LossModule):
             done: forwarded to the value estimator. Defaults to ``"done"``.
             terminated: forwarded to the value estimator. Defaults to ``"terminated"``.
             truncated: forwarded to the value estimator. Defaults to ``"truncated"``.
+            critic_free: the marker of a critic-free estimator's batch (read only with a critic,
+                to refuse it; forwarded to the value estimator). Defaults to ``"critic_free"``.
         """
 
         tokens: NestedKey = "tokens"
@@ -306,6 +324,7 @@ class TokenPPOLoss(LossModule):
         done: NestedKey = "done"
         terminated: NestedKey = "terminated"
         truncated: NestedKey = "truncated"
+        critic_free: NestedKey = "critic_free"
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
@@ -511,6 +530,8 @@ class TokenPPOLoss(LossModule):
             _check_advantage_source(self)
             _check_estimator_fits(self.value_estimator, td, self.tensor_keys)
             self.value_estimator(td)
+        if self._has_critic:
+            _check_not_critic_free(td, self.tensor_keys)
         batch = self._read_batch(td)
         if _validate.checking_values() and batch.mask.numel() and not bool(batch.mask.any()):
             warnings.warn(_EMPTY_MASK_WARNING, UserWarning, stacklevel=2)
@@ -700,6 +721,25 @@ def _check_critic_free(loss: TokenPPOLoss, estimator) -> None:
             f"defined with aggregation={expected!r}; pass aggregation={expected!r} to the loss",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def _check_not_critic_free(td: TensorDictBase, k) -> None:
+    """A loss with a critic refuses a batch marked ``critic_free`` whose ``value_target`` is still a copy of its
+    ``advantage`` (a critic-free estimator wrote both): the critic would be regressed onto advantages. One host
+    read, only on marked batches; skipped under ``value_checks(False)``."""
+    marker = td.get(k.critic_free, None)
+    if marker is None or not _validate.checking_values():
+        return
+    adv, target = td.get(k.advantage, None), td.get(k.value_target, None)
+    if not (isinstance(adv, Tensor) and isinstance(target, Tensor)):
+        return  # a missing entry is named when the batch is read
+    if bool(marker.any()) and torch.equal(adv, target):
+        raise ValueError(
+            f"TokenPPOLoss: the batch's advantages come from a critic-free estimator (its {k.critic_free!r} entry "
+            f"is set and {k.value_target!r} is a copy of {k.advantage!r}), but this loss has a critic network: it "
+            f"would regress the critic onto advantages; build the loss without one, TokenPPOLoss(actor, None, ...), "
+            f"or compute the advantages with MaskedGAE, which reads the critic's values"
         )
 
 

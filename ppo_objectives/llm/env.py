@@ -142,6 +142,17 @@ class _PromptStream:
     prompt id: the index in a finite source, the ``prompt_id`` a sampler returns, else the draw number."""
 
     def __init__(self, source: Any, pad_id: int):
+        if isinstance(source, (str, bytes)):
+            raise _text_prompts(f"the string {source[:40]!r}")
+        if isinstance(source, (list, tuple)):
+            text = next((i for i, p in enumerate(source) if isinstance(p, (str, bytes))), None)
+            if text is not None:
+                raise _text_prompts(f"the string {source[text][:40]!r} at index {text}")
+            if source and all(_is_token_id(p) for p in source):
+                raise _one_prompt(f"a flat {type(source).__name__} of {len(source)} token ids", "[prompt]")
+        if isinstance(source, Tensor) and source.dim() < 2:
+            raise _one_prompt(f"a {source.dim()}-D tensor of shape {tuple(source.shape)}",
+                              "[prompt] or prompt.unsqueeze(0)" if source.dim() else "a list of prompts")
         self.pad_id = pad_id
         self._draws = 0  # prompts drawn so far (the id of a prompt that has no other)
         self._pending: list[tuple[Tensor, int]] = []
@@ -181,11 +192,17 @@ class _PromptStream:
                                  f"{tuple(ids.shape)}: give one mask value per token (True = real token)")
             ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1]).bool()
             return [r[m] for r, m in zip(ids, mask)]
-        t = torch.as_tensor(item, dtype=torch.long)
+        t = _token_ids(item)
         if t.dim() == 1:
             return [t]
         if t.dim() == 2:  # a batch of left-padded prompts
             return [r[r.ne(self.pad_id).long().cummax(0).values.bool()] for r in t]
+        if t.dim() == 0:
+            raise ValueError(
+                f"the prompt source gave a single token id ({int(t)}) where a prompt (1-D token ids) or a batch of "
+                f"them is expected: a source that iterates over one prompt's tokens yields them one by one; give a "
+                f"list of prompts ([prompt], or prompt.unsqueeze(0) for a tensor)"
+            )
         raise ValueError(f"a prompt must be 1-D (or a 2-D batch), got shape {tuple(t.shape)}")
 
     def _draw_ids(self, k: int) -> Tensor:
@@ -243,7 +260,7 @@ class _PromptStream:
             if isinstance(out, (Tensor, dict)):
                 rows = self._rows(out)
             else:
-                rows = [torch.as_tensor(r, dtype=torch.long) for r in out]
+                rows = [_token_ids(r) for r in out]
             if len(rows) != k:
                 raise ValueError(f"the prompt sampler returned {len(rows)} prompts for k={k}")
             ids, mask = self._pad_rows(rows, width)
@@ -285,6 +302,35 @@ class _PromptStream:
         )
 
 
+def _token_ids(item: Any) -> Tensor:
+    """One prompt (or a batch of them) as int64 token ids; text is a ``TypeError`` that says how to tokenize it."""
+    text = item[0] if isinstance(item, (list, tuple)) and item else item
+    if isinstance(text, (str, bytes)):
+        raise _text_prompts(f"the string {text[:40]!r}")
+    return torch.as_tensor(item, dtype=torch.long)
+
+
+def _is_token_id(x: Any) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, Tensor) and x.dim() == 0)
+
+
+def _text_prompts(what: str) -> TypeError:
+    return TypeError(
+        f"TokenLMEnv prompts must be token ids (1-D int tensors or lists, a 2-D left-padded tensor, or dicts with "
+        f"input_ids), got {what}; tokenize the text first, e.g. [tokenizer(p)['input_ids'] for p in texts], or train "
+        f"on text prompts with TokenLMEnv.from_task(TextTask(examples, reward, tokenizer, max_new_tokens=M), "
+        f"num_envs=N) (ppo_objectives.train.text)"
+    )
+
+
+def _one_prompt(what: str, fix: str) -> ValueError:
+    return ValueError(
+        f"TokenLMEnv prompts is one prompt, {what}, but a batch of prompts is expected (a list of 1-D token-id "
+        f"tensors or lists, or a 2-D left-padded tensor [n, P]): iterating it would give single token ids, not "
+        f"prompts; pass {fix}"
+    )
+
+
 # --------------------------------------------------------------------------- #
 # The environment
 # --------------------------------------------------------------------------- #
@@ -298,6 +344,16 @@ def _takes_keyword(fn: Callable, name: str) -> bool:
         return False
     p = params.get(name)
     return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def _accepts_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` can be called with ``name=`` (a parameter of that name, or ``**kwargs``); ``True`` when its
+    signature cannot be read (a builtin: the call will tell)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return _takes_keyword(fn, name) or any(p.kind == p.VAR_KEYWORD for p in params)
 
 
 def _task_turns(task) -> dict:
@@ -317,6 +373,9 @@ class TokenLMEnv(EnvBase):
             list of token-id sequences (cycled in order), or any iterable /
             ``DataLoader`` yielding prompts, batches of them, or dicts with
             ``input_ids`` (+ ``attention_mask``); exhausted iterables restart.
+            Token ids only: text is refused (tokenize it, or use
+            :class:`~ppo_objectives.train.text.TextTask` with :meth:`from_task`), and so
+            is one prompt given alone (a 1-D tensor or flat list: pass ``[prompt]``).
             Without an ``attention_mask``, only left padding is inferred: the
             leading ``pad_id`` tokens of each row of a 2-D batch. A ``pad_id``
             inside a prompt stays a prompt token; give right-padded prompts
@@ -342,7 +401,8 @@ class TokenLMEnv(EnvBase):
             called at the end of each assistant turn as ``env_turn_fn(response_ids [r],
             assistant_mask [r], conversation=list)`` (plus ``prompt_id=`` when it takes one)
             and returns the token ids of the environment's turn (a tool result, feedback, the
-            next user message: 1-D ints), or ``None`` to end the episode.
+            next user message: 1-D ints), or ``None`` to end the episode. A function without a
+            ``conversation`` parameter (or ``**kwargs``) is refused at construction.
         max_turns: multi-turn: the assistant's turns per episode (default: as many as fit).
         max_turn_tokens: multi-turn: the tokens of one assistant turn (default ``max_new_tokens``).
         group_size: ``G``, responses sampled per prompt (GRPO, RLOO): a full reset draws
@@ -432,6 +492,15 @@ class TokenLMEnv(EnvBase):
         if not callable(env_turn_fn):
             raise TypeError(f"TokenLMEnv env_turn_fn must be callable (response_ids, assistant_mask, conversation=) -> "
                             f"token ids | None, got {type(env_turn_fn).__name__}")
+        if not _accepts_keyword(env_turn_fn, "conversation"):
+            name = getattr(env_turn_fn, "__name__", type(env_turn_fn).__name__)
+            example = name if name.isidentifier() else "env_turn"  # a lambda's name is "<lambda>"
+            raise TypeError(
+                f"TokenLMEnv env_turn_fn {name}{inspect.signature(env_turn_fn)} has no 'conversation' parameter, "
+                f"but the env calls it as env_turn_fn(response_ids, assistant_mask, conversation=list) (plus "
+                f"prompt_id= when it takes one); add the parameter, e.g. def {example}(response_ids, assistant_mask, "
+                f"conversation): ..., or accept **kwargs"
+            )
         if max_turns is not None:
             _validate.check_int("max_turns", max_turns, low=1, where="TokenLMEnv ")
         if max_turn_tokens is not None:

@@ -53,6 +53,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModule, TensorDictModuleBase
 from torch import Tensor, nn
 
@@ -443,6 +444,37 @@ class ResponseValues(nn.Module):
         return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
 
 
+class _ResponseReadout(TensorDictModule):
+    """A response-layout read-out (:class:`ResponseLogProbs`, :class:`ResponseValues`) as a TensorDict module that
+    first checks its ``prompt_len`` against the batch: when the batch carries ``response_ids`` ``[B, R]`` next to
+    ``input_ids`` ``[B, S]``, its prompts are ``S - R`` wide, and a read-out built with another width would take
+    its ``[B, S - prompt_len]`` outputs from the wrong columns (a shape error further on that never names
+    ``prompt_len``). A shape check: nothing is read from the tensors."""
+
+    def __init__(self, module: nn.Module, in_keys: list, out_keys: list, *, prompt_len: int, who: str, fix: str):
+        super().__init__(module, in_keys=in_keys, out_keys=out_keys)
+        self.prompt_len, self._who, self._fix = prompt_len, who, fix
+
+    def forward(self, *args, **kwargs):
+        td = args[0] if args else kwargs.get("tensordict")
+        if isinstance(td, TensorDictBase):
+            self._check_prompt_len(td)
+        return super().forward(*args, **kwargs)
+
+    def _check_prompt_len(self, td: TensorDictBase) -> None:
+        ids, response = td.get(self.in_keys[0], None), td.get("response_ids", None)
+        if not (isinstance(ids, Tensor) and isinstance(response, Tensor)) or ids.dim() < 2 or response.dim() < 2:
+            return
+        S, R = ids.shape[-1], response.shape[-1]
+        if S - R != self.prompt_len:
+            raise ValueError(
+                f"{self._who} was built with prompt_len={self.prompt_len}, but this batch's prompts are P={S - R} "
+                f"wide (input_ids has S={S} columns and response_ids R={R}: P = S - R), so it would read "
+                f"{S - self.prompt_len} response columns instead of {R}; build it with the env's prompt width, "
+                f"{self._fix}"
+            )
+
+
 @dataclass
 class ActorCritic:
     """The networks of one PPO run (see :func:`make_actor_critic`).
@@ -505,7 +537,9 @@ def make_actor_critic(
     Args:
         model: a causal LM (:class:`~ppo_objectives.llm.models.TinyCausalLM`,
             :class:`~ppo_objectives.llm.hf.HFCausalLMAdapter`) or a config.
-        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts): ``env.prompt_len``.
+            The actor and critic refuse a batch whose ``response_ids`` ``[B, R]`` and
+            ``input_ids`` ``[B, S]`` say its prompts are ``S - R != P`` wide.
         shared_trunk: the critic's value head sits on the actor's trunk (one set of
             weights) instead of on its own copy (MiniMind's separate critic, the default).
             The read-outs then share one trunk forward per batch (:class:`SharedForward`),
@@ -558,8 +592,11 @@ def make_actor_critic(
         log_probs.shared_forward = values.shared_forward = SharedForward(model)
     policy = make_actor(model, use_kv_cache=use_kv_cache, value_head=values.value_head if shared else None,
                         value_key=value_key, temperature=temperature)
-    actor = TensorDictModule(log_probs, in_keys=["input_ids", "attention_mask"], out_keys=[log_prob_key, entropy_key])
-    critic = TensorDictModule(values, in_keys=["input_ids", "attention_mask"], out_keys=[value_key])
+    fix = "make_actor_critic(model, prompt_len=env.prompt_len)"
+    actor = _ResponseReadout(log_probs, ["input_ids", "attention_mask"], [log_prob_key, entropy_key],
+                             prompt_len=prompt_len, who="make_actor_critic's actor", fix=fix)
+    critic = _ResponseReadout(values, ["input_ids", "attention_mask"], [value_key],
+                              prompt_len=prompt_len, who="make_actor_critic's critic", fix=fix)
     return ActorCritic(policy, actor, critic, model, critic_model, values.value_head)
 
 
@@ -571,7 +608,8 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: to
     Args:
         actor_model: the actor's causal LM (``ActorCritic.actor_model``), copied as it is now
             (after the warm start): later optimizer steps of the actor do not move the copy.
-        prompt_len: ``P``, the prompt width of the env (left-padded prompts).
+        prompt_len: ``P``, the prompt width of the env (left-padded prompts): ``env.prompt_len``;
+            a batch whose ``response_ids`` ``[B, R]`` say otherwise (``S - R != P``) is refused.
         dtype: convert the reference's weights to it (``torch.bfloat16`` under ``--dtype bfloat16``)
             and run it in it, without autocast; ``None`` keeps the actor's dtype and autocast setting.
         copy_model: ``False`` uses ``actor_model`` itself (a network of its own, e.g. the
@@ -608,7 +646,8 @@ def frozen_reference(actor_model: torch.nn.Module, prompt_len: int, *, dtype: to
     if dtype is not None:
         ref = ref.to(dtype)
         ref.autocast_dtype = None  # its weights are in dtype already
-    return TensorDictModule(
+    return _ResponseReadout(
         ResponseLogProbs(ref, prompt_len, return_entropy=False, temperature=temperature),
-        ["input_ids", "attention_mask"], ["log_prob"],
+        ["input_ids", "attention_mask"], ["log_prob"], prompt_len=prompt_len, who="frozen_reference",
+        fix="frozen_reference(actor_model, prompt_len=env.prompt_len)",
     )

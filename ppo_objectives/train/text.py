@@ -166,6 +166,11 @@ def _jsonl_error(path: Path, line: int, what: str, fix: str) -> ValueError:
     return ValueError(f"{path}:{line}: {what}; {fix}")
 
 
+# The roles a message of a JSONL prompt may have: the chat roles ("tool": a tool's result, as the environment's
+# turns of a --tool task can be rendered, TextTask(env_role="tool")).
+_CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _check_messages(prompt: list, path: Path, line: int) -> tuple:
     if not prompt:
         raise _jsonl_error(path, line, "'prompt' is an empty list of messages", "give at least one message")
@@ -173,6 +178,10 @@ def _check_messages(prompt: list, path: Path, line: int) -> tuple:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise _jsonl_error(path, line, f"message {i} of 'prompt' is {m!r}",
                                'each message must be an object {"role": "user", "content": "..."} with string values')
+        if m["role"] not in _CHAT_ROLES:
+            raise _jsonl_error(path, line, f"message {i} of 'prompt' has role {m['role']!r}, which is not a chat role "
+                                           f"(the chat template would render it as is, or fail)",
+                               f"use one of {', '.join(repr(r) for r in _CHAT_ROLES)}")
     return tuple(dict(m) for m in prompt)
 
 
@@ -182,8 +191,9 @@ def read_prompts_jsonl(path) -> list[TextExample]:
     ``{"prompt": "What is 2 + 2?", "answer": 4}`` or ``{"prompt": [{"role": "system", "content":
     "..."}, {"role": "user", "content": "..."}], "answer": 4}``: the reward is then called as
     ``reward(completion, answer=4)``. Every line must be such an object: an empty or
-    unreadable line, a missing or malformed ``prompt`` is an error naming ``FILE:LINE`` and
-    the fix (no line is skipped).
+    unreadable line, a missing or malformed ``prompt`` (a message whose role is not a chat
+    role, ``system``, ``user``, ``assistant`` or ``tool``, included) is an error naming
+    ``FILE:LINE`` and the fix (no line is skipped).
 
     Example:
         >>> import tempfile, os

@@ -15,14 +15,25 @@ the inputs are never read (garbage and NaN are fine), and a row without valid
 tokens is all 0. Arithmetic is float32 (float64 inputs stay float64); the
 output has the dtype of the scores (rewards for REINFORCE++).
 
+**Non-finite inputs.** A NaN or inf score of a row with valid tokens, or
+reward at a valid token, would make advantages NaN/inf (a whole group's, or
+with the whitening the whole batch's): it is a ``ValueError`` naming the input
+and the first such row or position, as in
+:class:`~ppo_objectives.value.gae.MaskedGAE`. The check reads the result (one
+host read per call) and is skipped under
+:func:`~ppo_objectives.functional.value_checks` ``(False)`` and inside
+``torch.compile``.
+
 The group sums are vectorised (``index_add_`` over the group index of
 ``torch.unique``, no loop over rows or groups). ``torch.unique`` is the one
-host synchronisation (its output size depends on the data); nothing else
-reads back to the host.
+host synchronisation (its output size depends on the data) besides the
+finiteness check; nothing else reads back to the host.
 
 The estimators have no critic: the TorchRL classes write ``value_target``
-equal to the advantage (so keys that TorchRL's losses expect exist), and the
-loss runs without a critic, ``TokenPPOLoss(actor, None)``.
+equal to the advantage (so keys that TorchRL's losses expect exist) and a
+``critic_free`` entry (bool, the TensorDict's batch shape) that marks it so, and
+the loss runs without a critic, ``TokenPPOLoss(actor, None)``; a loss with a
+critic refuses such a batch rather than regress its critic onto advantages.
 """
 
 from __future__ import annotations
@@ -97,6 +108,32 @@ def _group_moments(s: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return n, mean, var
 
 
+#: What each input's check says: where a bad value sits and how to fix it.
+_SCORE_FIX = ("the row {pos}, a response with valid tokens",
+              "fix the reward function for that response, or drop the response from the batch")
+_REWARD_FIX = ("the valid position {pos}",
+               "fix the reward function (or the shaping, e.g. a KL penalty) there, or mask the token out "
+               "(mask False: masked tokens may hold anything, they are never read)")
+
+
+def _check_finite(method: str, adv: Tensor, inputs: list[tuple[str, Tensor, Tensor, tuple[str, str]]],
+                  overflow: str) -> None:
+    """The advantages ``adv`` are finite, else a ``ValueError`` naming the first of ``inputs`` (``(name, tensor,
+    bool where it is read, (where, fix))``) that holds NaN/inf where it is read, and its first such position. One
+    host read when all is well; skipped under ``value_checks(False)`` and ``torch.compile``."""
+    if not _validate.checking_values() or not adv.numel() or bool(torch.isfinite(adv).all()):
+        return
+    for name, x, read, (where, fix) in inputs:
+        bad = ~torch.isfinite(x) & read
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{method}: {name} holds {float(x[pos])} at {where.format(pos=pos)}, so the advantages would be "
+                f"NaN/inf; {fix}"
+            )
+    raise ValueError(f"{method}: the advantages are not finite although {overflow}; rescale them")
+
+
 def _broadcast(per_row: Tensor, m: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``per_row`` ``[*B]`` at the valid tokens of ``m`` ``[*B, R]``, exactly 0 elsewhere."""
     zero = torch.zeros((), dtype=per_row.dtype, device=per_row.device)
@@ -128,7 +165,8 @@ def grpo_advantages(
 
     Every row takes part in the statistics of its group, including rows without
     valid tokens (their score counts as 0; give such rows their own group id to
-    keep them out).
+    keep them out). A NaN or inf score of a row with valid tokens is a
+    ``ValueError`` naming the row.
 
     Args:
         scores: ``[*B]`` float per-response score.
@@ -160,6 +198,8 @@ def grpo_advantages(
     adv = s - mean
     if scale == "std":
         adv = adv / (var.sqrt() + eps)
+    _check_finite("GRPO" if scale == "std" else "Dr. GRPO", adv, [("scores", scores, m.any(-1), _SCORE_FIX)],
+                  "the scores of the rows with valid tokens are finite (an overflow of very large scores)")
     return _broadcast(adv.reshape(scores.shape), m, scores.dtype)
 
 
@@ -203,6 +243,7 @@ def rloo_advantages(scores: Tensor, group: Tensor, mask: Tensor) -> Tensor:
         A_i = score_i - (sum_g - score_i) / (n_g - 1) = n_g / (n_g - 1) * (score_i - mean_g)
 
     A group of one response gets 0 (there is no other response to compare with).
+    A NaN or inf score of a row with valid tokens is a ``ValueError`` naming the row.
 
     Args:
         scores: ``[*B]`` float per-response score.
@@ -224,6 +265,8 @@ def rloo_advantages(scores: Tensor, group: Tensor, mask: Tensor) -> Tensor:
     s = _row_scores(scores, m)
     n, mean, _ = _group_moments(s, group)
     adv = torch.where(n > 1, n / (n - 1).clamp(min=1) * (s - mean), torch.zeros((), dtype=s.dtype, device=s.device))
+    _check_finite("RLOO", adv, [("scores", scores, m.any(-1), _SCORE_FIX)],
+                  "the scores of the rows with valid tokens are finite (an overflow of very large scores)")
     return _broadcast(adv.reshape(scores.shape), m, scores.dtype)
 
 
@@ -255,6 +298,10 @@ def reinforce_plus_plus_advantages(
     the scores is subtracted from the reward of each row's last valid token
     (where the score sits in the response layout), i.e. ``score_i - mean_g``
     replaces ``score_i`` in the return, before the whitening.
+
+    A NaN or inf reward at a valid token (or score of a row with valid tokens) is
+    a ``ValueError`` naming the position: the whitening would spread it to every
+    advantage of the batch.
 
     Args:
         token_rewards: ``[*B, R]`` per-token rewards (the score on the last valid token,
@@ -296,16 +343,26 @@ def reinforce_plus_plus_advantages(
     returns, _ = F.masked_gae(r, torch.zeros_like(r), m, gamma, 1.0, average_gae=False)
     if whiten:
         returns = F.masked_whiten(returns, m, eps=eps, process_group=process_group)
-    return torch.where(m, returns, zero).to(token_rewards.dtype)
+    adv = torch.where(m, returns, zero)
+    inputs = [("token_rewards", token_rewards, m, _REWARD_FIX)]
+    if scores is not None:
+        inputs.append(("scores", scores, m.any(-1), _SCORE_FIX))
+    elsewhere = "" if process_group is None else ", or a NaN/inf on another rank of process_group"
+    _check_finite("REINFORCE++", adv, inputs,
+                  f"the rewards at the valid tokens are finite (an overflow of very large rewards{elsewhere})")
+    return adv.to(token_rewards.dtype)
 
 
 class _CriticFree(ValueEstimatorBase):
-    """What the critic-free estimators share: they write ``advantage`` and its copy
-    ``value_target`` (there is no critic), computed by ``_estimate`` without gradient.
+    """What the critic-free estimators share: they write ``advantage``, its copy
+    ``value_target`` (there is no critic) and the ``critic_free`` marker, computed by
+    ``_estimate`` without gradient.
 
     ``critic_free = True`` tells a loss that its critic would be regressed onto advantages
-    (:meth:`~ppo_objectives.loss.TokenPPOLoss.make_value_estimator` refuses that), and
-    ``aggregation`` is the aggregation the method's objective is defined with (``None``: any).
+    (:meth:`~ppo_objectives.loss.TokenPPOLoss.make_value_estimator` refuses that), and so does the
+    ``critic_free`` entry for a batch that reaches the loss with its advantages already written
+    (:class:`~ppo_objectives.loss.TokenPPOLoss` with a critic refuses it). ``aggregation`` is the
+    aggregation the method's objective is defined with (``None``: any).
     """
 
     critic_free = True
@@ -313,14 +370,17 @@ class _CriticFree(ValueEstimatorBase):
 
     @property
     def out_keys(self):
-        return [self.tensor_keys.advantage, self.tensor_keys.value_target]
+        return [self.tensor_keys.advantage, self.tensor_keys.value_target, self.tensor_keys.critic_free]
 
     @dispatch
     def forward(self, tensordict: TensorDictBase, *, params=None, target_params=None) -> TensorDictBase:
-        """Compute ``advantage`` (and its copy ``value_target``) and write them into ``tensordict`` (returned)."""
+        """Compute ``advantage`` (and its copy ``value_target``) and write them into ``tensordict`` (returned),
+        with ``critic_free`` (bool, ``tensordict.batch_size``, all True): the value target is the advantage."""
         adv = self._estimate(tensordict)
         tensordict.set(self.tensor_keys.advantage, adv)
         tensordict.set(self.tensor_keys.value_target, adv.clone())
+        tensordict.set(self.tensor_keys.critic_free,
+                       torch.ones(tensordict.batch_size, dtype=torch.bool, device=adv.device))  # fmt: skip
         return tensordict
 
     def value_estimate(self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs) -> Tensor:
@@ -350,9 +410,11 @@ class GroupAdvantage(_CriticFree):
     ``"mask"`` mask    [*B, R]   bool or {0, 1}: the response tokens (required)
     ================== ========= ==================================================
 
-    Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens, and
-    ``"value_target"``, a copy of the advantage: there is no critic, train with
-    ``TokenPPOLoss(actor, None)`` (no critic loss). Computed without gradient.
+    Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens,
+    ``"value_target"``, a copy of the advantage, and ``"critic_free"`` (bool, the
+    TensorDict's batch shape, all True): there is no critic, train with
+    ``TokenPPOLoss(actor, None)`` (no critic loss; a loss with a critic refuses the
+    batch). Computed without gradient.
 
     Args:
         kind: one of :data:`GROUP_KINDS`.
@@ -382,6 +444,8 @@ class GroupAdvantage(_CriticFree):
         Attributes:
             advantage: where the advantage is written. Defaults to ``"advantage"``.
             value_target: where the copy of the advantage is written. Defaults to ``"value_target"``.
+            critic_free: where the marker is written (bool, the TensorDict's batch shape, True: this
+                row's value target is its advantage). Defaults to ``"critic_free"``.
             score: the per-response score ``[*B]``. Defaults to ``"score"``.
             group: the group ids ``[*B]``. Defaults to ``"group"``.
             mask: the response tokens ``[*B, R]``. Defaults to ``"mask"``.
@@ -393,6 +457,7 @@ class GroupAdvantage(_CriticFree):
 
         advantage: NestedKey = "advantage"
         value_target: NestedKey = "value_target"
+        critic_free: NestedKey = "critic_free"
         score: NestedKey = "score"
         group: NestedKey = "group"
         mask: NestedKey = "mask"
@@ -471,9 +536,11 @@ class ReinforcePlusPlus(_CriticFree):
     ``"group"`` group              [*B]      ``baseline=True`` only: integer group ids
     ============================== ========= ==========================================
 
-    Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens, and
-    ``"value_target"``, a copy of the advantage: there is no critic, train with
-    ``TokenPPOLoss(actor, None)``. Computed without gradient.
+    Keys written: ``"advantage"`` ``[*B, R]``, 0 at masked tokens,
+    ``"value_target"``, a copy of the advantage, and ``"critic_free"`` (bool, the
+    TensorDict's batch shape, all True): there is no critic, train with
+    ``TokenPPOLoss(actor, None)`` (a loss with a critic refuses the batch).
+    Computed without gradient.
 
     Args:
         gamma: discount in [0, 1] (REINFORCE++: 1.0).
@@ -504,6 +571,8 @@ class ReinforcePlusPlus(_CriticFree):
         Attributes:
             advantage: where the advantage is written. Defaults to ``"advantage"``.
             value_target: where the copy of the advantage is written. Defaults to ``"value_target"``.
+            critic_free: where the marker is written (bool, the TensorDict's batch shape, True: this
+                row's value target is its advantage). Defaults to ``"critic_free"``.
             reward: the per-token reward, read under ``"next"``. Defaults to ``"reward"``.
             mask: the response tokens ``[*B, R]``. Defaults to ``"mask"``.
             score: the per-response score (baseline only). Defaults to ``"score"``.
@@ -516,6 +585,7 @@ class ReinforcePlusPlus(_CriticFree):
 
         advantage: NestedKey = "advantage"
         value_target: NestedKey = "value_target"
+        critic_free: NestedKey = "critic_free"
         reward: NestedKey = "reward"
         mask: NestedKey = "mask"
         score: NestedKey = "score"

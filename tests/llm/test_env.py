@@ -231,6 +231,45 @@ def test_prompt_source_errors_name_the_problem():
         TokenLMEnv(lambda k, g: [[3, 14]], task.reward, **kw).reset()
 
 
+@pytest.mark.parametrize("prompts, got", [
+    (["3 + 4 =", "1 + 1 ="], r"got the string '3 \+ 4 =' at index 0"),
+    ("3 + 4 =", r"got the string '3 \+ 4 ='"),
+    (iter([["3 + 4 ="]]), r"got the string '3 \+ 4 ='"),
+], ids=["list", "one-string", "iterable"])
+def test_text_prompts_are_refused_with_how_to_tokenize_them(prompts, got):
+    task = DigitTask("reverse", 2)
+    kw = dict(num_envs=2, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)
+    with pytest.raises(TypeError, match=r"TokenLMEnv prompts must be token ids \(1-D int tensors or lists, .*\), "
+                                        + got + r"; tokenize the text first, e.g. \[tokenizer\(p\)\['input_ids'\] "
+                                        r"for p in texts\], or train on text prompts with "
+                                        r"TokenLMEnv.from_task\(TextTask"):
+        TokenLMEnv(prompts, task.reward, **kw).reset()
+
+
+@pytest.mark.parametrize("prompt, got, fix", [
+    (torch.tensor([3, 4, 14]), r"a 1-D tensor of shape \(3,\)", r"\[prompt\] or prompt.unsqueeze\(0\)"),
+    ([3, 4, 14], r"a flat list of 3 token ids", r"\[prompt\]"),
+], ids=["tensor", "list"])
+def test_one_prompt_given_alone_is_refused_with_the_fix(prompt, got, fix):
+    task = DigitTask("reverse", 2)
+    kw = dict(num_envs=2, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)
+    with pytest.raises(ValueError, match=rf"TokenLMEnv prompts is one prompt, {got}, but a batch of prompts is "
+                                         rf"expected .*: iterating it would give single token ids, not prompts; "
+                                         rf"pass {fix}$"):
+        TokenLMEnv(prompt, task.reward, **kw)
+    env = TokenLMEnv([prompt], task.reward, **kw)  # the fix works
+    assert env.reset()["tokens"][:, :3].tolist() == [[3, 4, 14]] * 2
+
+
+def test_an_iterable_of_token_ids_instead_of_prompts_is_refused_with_the_fix():
+    task = DigitTask("reverse", 2)
+    kw = dict(num_envs=2, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)
+    tokens = (t for t in torch.tensor([3, 4, 14]))  # iterating one prompt yields its token ids
+    with pytest.raises(ValueError, match=r"the prompt source gave a single token id \(3\) where a prompt \(1-D token "
+                                         r"ids\) or a batch of them is expected.*give a list of prompts \(\[prompt\]"):
+        TokenLMEnv(tokens, task.reward, **kw).reset()
+
+
 def test_out_of_vocabulary_prompts_and_actions_are_refused():
     task = DigitTask("reverse", 2)
     kw = dict(num_envs=1, prompt_len=3, max_new_tokens=3, vocab_size=16, eos_id=1)

@@ -357,6 +357,31 @@ def test_response_modules_reject_sequences_without_a_response():
         ResponseLogProbs(lm, 4)(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("wrong", [2, 4], ids=["narrower", "wider"])
+def test_read_outs_refuse_a_batch_whose_prompts_are_not_prompt_len_wide(wrong):
+    from ppo_objectives.llm.layouts import ToLLMBatch
+    from ppo_objectives.llm.readouts import frozen_reference
+
+    env = TokenLMEnv.from_task(DigitTask("reverse", 2), num_envs=4, seed=0)  # P = 3, M = 3
+    good = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=8), env.prompt_len)
+    with torch.no_grad():
+        llm = ToLLMBatch(env.prompt_len, env.max_new_tokens)(env.rollout(6, good.policy, break_when_any_done=False))
+    ac = make_actor_critic(good.actor_model, wrong)
+    read = 6 - wrong
+    for net, who in ((ac.critic, "make_actor_critic's critic"), (ac.actor, "make_actor_critic's actor")):
+        with pytest.raises(ValueError, match=rf"{who} was built with prompt_len={wrong}, but this batch's prompts are "
+                                             rf"P=3 wide \(input_ids has S=6 columns and response_ids R=3: "
+                                             rf"P = S - R\), "
+                                             rf"so it would read {read} response columns instead of 3; build it with "
+                                             rf"the env's prompt width, make_actor_critic\(model, "
+                                             rf"prompt_len=env.prompt_len\)"):
+            net(llm.clone())
+    with pytest.raises(ValueError, match=r"frozen_reference was built with prompt_len=.*frozen_reference\(actor_model, "
+                                         r"prompt_len=env.prompt_len\)"):
+        frozen_reference(good.actor_model, wrong)(llm.clone())
+    assert good.critic(llm.clone())["state_value"].shape == (llm.shape[0], 3)  # the env's width passes
+
+
 # ----------------------------------------------------------------------------- Hugging Face adapter
 
 

@@ -220,6 +220,22 @@ def test_bad_turn_settings_are_refused(kw, error, match):
         turns_env(**kw)
 
 
+def test_an_env_turn_fn_without_a_conversation_parameter_is_refused_at_construction():
+    def tool(response_ids, assistant_mask):
+        return None
+
+    with pytest.raises(TypeError, match=r"TokenLMEnv env_turn_fn tool\(response_ids, assistant_mask\) has no "
+                                        r"'conversation' parameter, but the env calls it as env_turn_fn\(response_ids, "
+                                        r"assistant_mask, conversation=list\) .*; add the parameter, e.g. def "
+                                        r"tool\(response_ids, assistant_mask, conversation\): \.\.\., "
+                                        r"or accept \*\*kwargs"):
+        turns_env(env_turn_fn=tool)
+    with pytest.raises(TypeError, match=r"env_turn_fn <lambda>\(r, m\) has no 'conversation' parameter.*"
+                                        r"def env_turn\("):
+        turns_env(env_turn_fn=lambda r, m: None)
+    assert turns_env(env_turn_fn=lambda r, m, **kwargs: None).multi_turn  # **kwargs takes conversation=
+
+
 @pytest.mark.parametrize("reply, match", [
     ([], r"returned .* for row 0: it must return the environment turn's token ids \(a non-empty 1-D"),
     ("calc", r"returned 'calc' for row 0"),

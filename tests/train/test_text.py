@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -154,6 +155,17 @@ def test_read_prompts_jsonl_bad_lines(tmp_path, text, match):
     path = _write(tmp_path, "bad.jsonl", text)
     with pytest.raises(ValueError, match=match):
         read_prompts_jsonl(path)
+
+
+def test_read_prompts_jsonl_refuses_a_role_that_is_not_a_chat_role(tmp_path):
+    good = {"prompt": [{"role": "user", "content": "2 + 2?"}, {"role": "tool", "content": "4"}], "answer": 4}
+    bad = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "usr", "content": "2 + 2?"}], "answer": 4}
+    path = _write(tmp_path, "roles.jsonl", json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: message 1 of 'prompt' has role 'usr', which is "
+                                         r"not a chat role \(.*\); use one of 'system', 'user', 'assistant', 'tool'$"):
+        read_prompts_jsonl(path)
+    path.write_text(json.dumps(good) + "\n")
+    assert [m["role"] for m in read_prompts_jsonl(path)[0].messages()] == ["user", "tool"]
 
 
 def test_read_prompts_jsonl_missing_file(tmp_path):

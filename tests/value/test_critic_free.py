@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ppo_objectives import TokenPPOLoss
+from ppo_objectives import MaskedGAE, TokenPPOLoss
 from ppo_objectives import functional as F
 from ppo_objectives.testing import (
     assert_mask_invariant,
@@ -306,3 +306,113 @@ def test_constant_inputs_give_zero():
     )
     for kind in CF.GROUP_KINDS:
         assert CF.GroupAdvantage(kind)(td.clone())["advantage"].abs().sum() == 0
+
+
+# --------------------------------------------------------------------------- #
+# Non-finite inputs stop here, as at MaskedGAE
+# --------------------------------------------------------------------------- #
+
+_METHODS = {"grpo": "GRPO", "dr_grpo": r"Dr\. GRPO", "rloo": "RLOO"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", CF.GROUP_KINDS)
+def test_group_estimator_refuses_a_non_finite_score_naming_the_row(kind, bad):
+    td = _batch("right")
+    td["score"][3] = bad  # row 3 has valid tokens under a right-padded mask
+    match = (rf"{_METHODS[kind]}: scores holds {bad} at the row \(3,\), a response with valid tokens, so the "
+             r"advantages would be NaN/inf; fix the reward function for that response, or drop the response")
+    with pytest.raises(ValueError, match=match):
+        CF.GroupAdvantage(kind)(td)
+    fn = {"grpo": CF.grpo_advantages, "dr_grpo": CF.dr_grpo_advantages, "rloo": CF.rloo_advantages}[kind]
+    with pytest.raises(ValueError, match=match):
+        fn(td["score"], td["group"], td["mask"])
+
+
+@pytest.mark.parametrize("baseline", [False, True], ids=["rpp", "rpp_baseline"])
+@pytest.mark.parametrize("whiten", [True, False])
+def test_reinforce_pp_refuses_a_non_finite_reward_naming_the_position(baseline, whiten):
+    td = _batch("right")
+    td["next", "reward"][2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"REINFORCE\+\+: token_rewards holds nan at the valid position \(2, 1\), so "
+                                         r"the advantages would be NaN/inf; fix the reward function .* or mask the "
+                                         r"token out \(mask False"):
+        CF.ReinforcePlusPlus(baseline=baseline, whiten=whiten)(td)
+
+
+def test_reinforce_pp_baseline_refuses_a_non_finite_score_naming_the_row():
+    td = _batch("right")
+    td["score"][0] = float("inf")
+    with pytest.raises(ValueError, match=r"REINFORCE\+\+: scores holds inf at the row \(0,\), a response with valid "
+                                         r"tokens, so the advantages would be NaN/inf"):
+        CF.ReinforcePlusPlus(baseline=True)(td)
+
+
+def test_overflow_of_finite_inputs_is_refused_as_an_overflow():
+    r, m = torch.full((2, 3), 3e38), torch.ones(2, 3, dtype=torch.bool)  # returns of 9e38 overflow float32
+    with pytest.raises(ValueError, match=r"REINFORCE\+\+: the advantages are not finite although the rewards at the "
+                                         r"valid tokens are finite \(an overflow of very large rewards\); "
+                                         r"rescale them"):
+        CF.reinforce_plus_plus_advantages(r, m, whiten=False)
+    scores, group = torch.tensor([3e38, 3e38, -3e38]), torch.tensor([0, 0, 0])  # their sum overflows
+    with pytest.raises(ValueError, match=r"RLOO: the advantages are not finite although the scores of the rows with "
+                                         r"valid tokens are finite \(an overflow of very large scores\)"):
+        CF.rloo_advantages(scores, group, torch.ones(3, 2, dtype=torch.bool))
+
+
+def test_non_finite_inputs_off_the_mask_are_never_read():
+    td = _batch("right")
+    td["mask"][4] = False  # row 4 becomes empty: its score is never read
+    td["score"][4] = float("nan")
+    td["next", "reward"][~td["mask"]] = float("inf")
+    for estimator in (CF.GroupAdvantage("grpo"), CF.GroupAdvantage("rloo"), CF.ReinforcePlusPlus(baseline=True)):
+        assert bool(torch.isfinite(estimator(td.clone())["advantage"]).all())
+
+
+def test_value_checks_off_lets_non_finite_advantages_through():
+    td = _batch("right")
+    td["score"][1] = float("nan")
+    with F.value_checks(False):
+        out = CF.GroupAdvantage("grpo")(td)["advantage"]
+    assert bool(torch.isnan(out[1][td["mask"][1]]).all())
+
+
+# --------------------------------------------------------------------------- #
+# A loss with a critic refuses critic-free advantages
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "estimator", [CF.GroupAdvantage("grpo"), CF.ReinforcePlusPlus()], ids=["grpo", "rpp"]
+)
+def test_estimator_marks_its_batch_critic_free(estimator):
+    td = estimator(_batch())
+    assert td["critic_free"].dtype == torch.bool and td["critic_free"].shape == td.batch_size
+    assert bool(td["critic_free"].all())
+    assert "critic_free" in estimator.out_keys
+
+
+@pytest.mark.parametrize(
+    "estimator", [CF.GroupAdvantage("grpo"), CF.ReinforcePlusPlus()], ids=["grpo", "rpp"]
+)
+def test_loss_with_a_critic_refuses_critic_free_advantages(estimator):
+    actor, critic = tiny_actor_critic()
+    td = estimator(_batch("holes", seed=1))
+    with pytest.raises(ValueError, match=r"TokenPPOLoss: the batch's advantages come from a critic-free estimator "
+                                         r"\(its 'critic_free' entry is set and 'value_target' is a copy of "
+                                         r"'advantage'\), but this loss has a critic network: it would regress the "
+                                         r"critic onto advantages; build the loss without one, "
+                                         r"TokenPPOLoss\(actor, None, \.\.\.\)"):
+        TokenPPOLoss(actor, critic)(td)
+    with pytest.raises(ValueError, match="critic-free estimator"):
+        TokenPPOLoss(actor, critic)(td[:4])  # a minibatch keeps the marker
+
+
+def test_loss_with_a_critic_accepts_a_marked_batch_whose_advantages_were_recomputed():
+    actor, critic = tiny_actor_critic()
+    td = response_batch(batch_size=len(GROUPS), response_len=5, mask="holes", seed=1)  # with the critic's values
+    td = CF.GroupAdvantage("grpo")(td.set("group", torch.tensor(GROUPS)))
+    td = MaskedGAE()(td)  # the critic's GAE overwrites advantage and value_target
+    assert "critic_free" in td.keys()
+    out = TokenPPOLoss(actor, critic)(td)
+    assert bool(torch.isfinite(out["loss_critic"]))
