@@ -470,7 +470,15 @@ def test_a_lora_run_trains_the_adapters_only_and_exports_them_merged(tmp_path, c
     from ppo_objectives.llm.hf import HFCausalLMAdapter
     from ppo_objectives.llm.lora import add_lora
 
-    rows, out = _run_job(tmp_path, chat_model_dir, lora_rank=2, iterations=2, kl_reward_coeff=0.05)
+    # a reward that is never 0 and differs between completions: the first update has a policy gradient, whatever
+    # the tiny random model samples (chat-add1's exact-answer reward is 0 for every sample of some versions of it)
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?"}) + "\n" for a in range(5)))
+    reward = tmp_path / "reward.py"
+    reward.write_text("def longer(completion):\n    return 1.0 + len(completion) / 10.0\n")
+    rows, out = _run_job(tmp_path, chat_model_dir, task="jsonl", prompts=str(prompts), reward=f"{reward}:longer",
+                         lora_rank=2, iterations=2, kl_reward_coeff=0.05)
+    assert rows[1]["reward"] >= 1.0 and rows[1]["loss_objective"] != 0.0
     assert rows[-1]["kl_ref"] != 0.0  # the reference (adapters off) is no longer the actor (adapters on)
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
     assert ckpt["reference"] == {} and ckpt["config"]["lr"] == T.config.LORA_LR
