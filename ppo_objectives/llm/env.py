@@ -53,8 +53,9 @@ context (``attention_mask`` True) but never sampled (no step writes them, so
 no log-prob, no reward, no advantage) and never trained. ``max_new_tokens`` is the whole
 conversation's budget. The episode ends **truncated** when the budget is spent, when
 ``max_turns`` assistant turns are done, or when the environment's turn does not fit
-with a column to spare (then it is dropped, counted in ``env_turns_cut``, and the
-conversation is scored as it stands). Rows end at different turns and reset on their
+with a column to spare (then it is dropped, counted in ``env_turns_cut`` and
+:meth:`TokenLMEnv.turn_cut`, what ``env_turn_fn`` recorded for it is taken out of the
+conversation, and the conversation is scored as it stands). Rows end at different turns and reset on their
 own. ``conversation`` is the row's own list, empty at its reset, for ``env_turn_fn`` to
 record what it needs (:class:`~ppo_objectives.train.text.TextTask` keeps the tool's
 messages there); a ``reward_fn`` with a ``conversation`` parameter gets each finished
@@ -516,6 +517,7 @@ class TokenLMEnv(EnvBase):
         self._conversations: list[list] = [[] for _ in range(self.batch_size[0])]
         #: Environment turns that did not fit the token budget (each ended its episode, truncated).
         self.env_turns_cut = 0
+        self._turn_cut = [False] * self.batch_size[0]  # per row: its episode ended on a cut environment turn
 
     def conversation(self, row: int) -> list:
         """Row ``row``'s conversation list: what ``env_turn_fn`` recorded in it since the row's last reset (the
@@ -523,6 +525,14 @@ class TokenLMEnv(EnvBase):
         if not self.multi_turn:
             raise ValueError("TokenLMEnv.conversation: this env has one turn (no env_turn_fn), so no conversation")
         return self._conversations[row]
+
+    def turn_cut(self, row: int) -> bool:
+        """Whether row ``row``'s episode (since its last reset) ended on an environment turn that did not fit the
+        token budget: the turn was dropped (counted in :attr:`env_turns_cut`), so the model never read it, and
+        what ``env_turn_fn`` recorded in the conversation for it was taken out again."""
+        if not self.multi_turn:
+            raise ValueError("TokenLMEnv.turn_cut: this env has one turn (no env_turn_fn), so no environment turn")
+        return self._turn_cut[row]
 
     @classmethod
     def from_task(cls, task: LMTask, *, num_envs: int, max_new_tokens: int | None = None, vocab_size: int | None = None,
@@ -626,6 +636,7 @@ class TokenLMEnv(EnvBase):
         if self.multi_turn:
             for i in rows.tolist():
                 self._conversations[i] = []
+                self._turn_cut[i] = False
             turn_state = dict(assistant_mask=torch.zeros(N, S, dtype=torch.bool, device=self.device),
                               turn_start=torch.full((N,), P, dtype=torch.long, device=self.device),
                               turns=torch.zeros(N, dtype=torch.long, device=self.device))
@@ -776,23 +787,28 @@ class TokenLMEnv(EnvBase):
         The episode ends **terminated** when ``env_turn_fn`` returns ``None``, and **truncated** when the token
         budget is spent (no column left), when the turn budget is spent (``max_turns``: the environment's reply is
         not appended), or when the environment's reply does not fit the buffer with a column to spare for the next
-        assistant token (the reply is dropped, counted in :attr:`env_turns_cut`, and the episode is scored on the
-        conversation as it stands)."""
+        assistant token (the reply is dropped, counted in :attr:`env_turns_cut` and :meth:`turn_cut`). A reply that
+        is not appended is taken out of the row's conversation too (what ``env_turn_fn`` appended to it in that
+        call), so the episode is scored on the conversation the model read."""
         S, P = self.seq_len, self.prompt_len
         p = int(state["position"][i])
         if p >= S:
             state["truncated"][i] = True
             return
+        recorded = len(self._conversations[i])  # what env_turn_fn appends for this turn comes after
         reply = self._env_reply(i, state["tokens"][i, P:p], state["assistant"][i, P:p], prompt_id)
         if reply is None:
             state["terminated"][i] = True
             return
         if self.max_turns is not None and int(state["turns"][i]) + 1 >= self.max_turns:
+            del self._conversations[i][recorded:]  # the reply is not appended: the model never reads it
             state["truncated"][i] = True
             return
         k = reply.numel()
-        if p + k >= S:
+        if p + k >= S:  # the model never reads this turn: nothing of it stays in the conversation
             self.env_turns_cut += 1
+            self._turn_cut[i] = True
+            del self._conversations[i][recorded:]
             state["truncated"][i] = True
             return
         state["tokens"][i, p : p + k] = reply.to(self.device)

@@ -133,12 +133,13 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
             n_tok = roll.pop("tokens")
             turns = {k: roll.pop(k) for k in ("turns", "turn_tokens")}  # columns of a multi-turn task
-            if cfg.multi_turn:
-                turns["env_turns_cut"] = run.env.env_turns_cut - cut_before
-                if turns["env_turns_cut"] and not cut_before:
-                    warn_line(f"iteration {it + 1}: {turns['env_turns_cut']} environment turns did not fit "
-                              f"--max-new-tokens {cfg.max_new_tokens}; each ended its episode there (truncated, "
-                              f"scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
+            if cfg.multi_turn:  # the first cut, and every iteration where most conversations were cut, are said
+                turns["env_turns_cut"] = cut = run.env.env_turns_cut - cut_before
+                if cut and (not cut_before or 2 * cut > roll["episodes"]):
+                    warn_line(f"iteration {it + 1}: {cut} environment turns did not fit --max-new-tokens "
+                              f"{cfg.max_new_tokens} ({roll['episodes']:g} conversations); each ended its episode "
+                              f"there (truncated, scored as it stood): raise --max-new-tokens (env_turns_cut counts "
+                              f"them)", bar)
             else:
                 turns = {}
             row = dict(iteration=it + 1, **roll, **turns, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,

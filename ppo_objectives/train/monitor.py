@@ -7,7 +7,8 @@ visible in one logged metric of :mod:`ppo_objectives.train` (one row per iterati
 flag            what it means                                                      metric, default limit
 =============== ================================================================== =====================
 ``min_len``     responses stuck at their shortest (EOS first)                      ``response_len <= min_response_len + 0.5``
-``zero_reward`` the task score is gone                                             ``reward < 0.05``
+``zero_reward`` the task score is gone (with the row's ``env_turns_cut`` when > 0: ``reward < 0.05``
+                turns the token budget cut, the likely cause)
 ``entropy``     the policy became deterministic without solving the task           ``entropy < 0.05 and exact < 0.5``
 ``kl_spike``    one step jumped far past the trust region                          ``kl_approx_max > 1.0``
 ``stall``       no progress: neither the reward (mean of the last iterations) nor  ``stall_patience``
@@ -130,7 +131,10 @@ class CollapseGuard:
         if g("response_len") <= self.min_response_len + 0.5:
             out["min_len"] = f"response_len {g('response_len'):.2f}"
         if g("reward") < self.reward_floor:
-            out["zero_reward"] = f"reward {g('reward'):.3f}"
+            cut = g("env_turns_cut")  # a multi-turn task whose budget cut the conversations: the likely cause
+            cause = (f"; {cut:g} environment turns cut by the token budget (env_turns_cut): raise --max-new-tokens"
+                     if cut > 0 else "")
+            out["zero_reward"] = f"reward {g('reward'):.3f}{cause}"
         if g("entropy") < self.entropy_floor and not g("exact") >= self.solved_exact:
             out["entropy"] = f"entropy {g('entropy'):.3f} at exact {g('exact'):.2f}"
         if g("kl_approx_max") > self.kl_spike:

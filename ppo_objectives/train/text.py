@@ -403,7 +403,8 @@ class TextTask:
             raise ValueError(
                 f"TextTask {self.name}: the tokenizer has no chat template, so chat prompts cannot be rendered; use "
                 f"an instruct model's tokenizer (its tokenizer_config.json / chat_template.jinja), set "
-                f"tokenizer.chat_template, or pass chat_template=False to tokenize string prompts as they are"
+                f"tokenizer.chat_template, or pass chat_template=False to tokenize string prompts as they are (the job: "
+                f"--no-chat-template)"
             )
         text = self.tokenizer.apply_chat_template(ex.messages(), tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -645,7 +646,7 @@ def _evaluate_turns(model: torch.nn.Module, task: TextTask, idx: Tensor, *, gree
     device = next(model.parameters()).device
     head = NextTokenLogits(model, temperature=temperature)
     vocab = max(len(task.tokenizer), getattr(model, "vocab_size", 0) or 0)
-    chats, rewards = [], []
+    chats, rewards, cut = [], [], []
     for chunk in idx.split(batch_size):
         source = {"input_ids": task.prompt_ids[chunk], "attention_mask": task.prompt_mask[chunk], "prompt_id": chunk}
         env = TokenLMEnv(lambda k, g, s=source: s, task.reward, num_envs=chunk.numel(), prompt_len=task.prompt_len,
@@ -666,11 +667,17 @@ def _evaluate_turns(model: torch.nn.Module, task: TextTask, idx: Tensor, *, gree
         for row, i in enumerate(chunk.tolist()):
             chats.append(task.messages(i, td["tokens"][row, P:].cpu(), td["assistant_mask"][row, P:].cpu(),
                                        env.conversation(row)))
+            cut.append(env.turn_cut(row))
         rewards += reward.tolist()
-    shown = [_after_prompt(c, len(task.examples[int(i)].messages())) for c, i in zip(chats, idx)]
+    shown = [_after_prompt(c, len(task.examples[int(i)].messages()), k) for c, i, k in zip(chats, idx, cut)]
     return EvalResult(sum(rewards) / max(len(rewards), 1), shown, rewards, chats)
 
 
-def _after_prompt(chat: list[dict], n_prompt: int) -> str:
-    """The turns of a conversation after its prompt, one ``role: content`` per turn, joined by ``" | "``."""
-    return " | ".join(f"{m['role']}: {m['content']}" for m in chat[n_prompt:])
+#: How the samples log shows a conversation whose next environment turn did not fit the token budget.
+CUT_MARK = "[CUT: the next environment turn did not fit the token budget (env_turns_cut); raise --max-new-tokens]"
+
+
+def _after_prompt(chat: list[dict], n_prompt: int, cut: bool = False) -> str:
+    """The turns of a conversation after its prompt, one ``role: content`` per turn, joined by ``" | "``; a
+    conversation that ended on a cut environment turn ends with :data:`CUT_MARK`."""
+    return " | ".join([*(f"{m['role']}: {m['content']}" for m in chat[n_prompt:]), *([CUT_MARK] if cut else [])])

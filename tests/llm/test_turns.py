@@ -185,6 +185,29 @@ def test_a_reply_that_does_not_fit_ends_the_episode_truncated_and_is_counted():
     assert int(nxt["position"][0]) == P + 1  # nothing of the reply was written
 
 
+def test_a_reply_that_is_not_appended_leaves_nothing_in_the_conversation():
+    def recorded_long_reply(response_ids, assistant_mask, *, conversation):
+        conversation.append("a reply the model never reads")
+        return torch.full((M,), TOOL[0])
+
+    env = turns_env(env_turn_fn=recorded_long_reply)
+    td = env.reset()
+    td["action"] = torch.full((4,), EOS)
+    env.step(td)
+    assert [env.conversation(i) for i in range(4)] == [[]] * 4 and all(env.turn_cut(i) for i in range(4))
+    env.reset()  # a reset row starts uncut
+    assert not any(env.turn_cut(i) for i in range(4))
+    # the turn budget: the reply is not appended either, and it is not a cut
+    env = turns_env(env_turn_fn=lambda r, m, *, conversation: conversation.append("x") or torch.tensor([TOOL[0]]),
+                    max_turns=1)
+    td = env.reset()
+    td["action"] = torch.full((4,), EOS)
+    env.step(td)
+    assert env.conversation(0) == [] and not env.turn_cut(0)
+    with pytest.raises(ValueError, match=r"TokenLMEnv.turn_cut: this env has one turn"):
+        turns_env(env_turn_fn=None, max_turn_tokens=None).turn_cut(0)
+
+
 def test_the_turn_budget_ends_the_episode_truncated():
     env = turns_env(env_turn_fn=lambda r, m, *, conversation: torch.tensor([TOOL[0]]), max_turns=2)
     td = env.reset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -183,6 +184,40 @@ def test_a_tool_turn_that_does_not_fit_is_counted_and_warned_about(tmp_path, cha
     assert "environment turns did not fit --max-new-tokens 24" in capsys.readouterr().err
 
 
+def test_a_run_whose_budget_cuts_most_conversations_says_so_where_the_user_looks(tmp_path, chat_model_dir, capsys):
+    from ppo_objectives import train as T
+    from ppo_objectives.train.text import CUT_MARK
+
+    T.main(["--model", str(chat_model_dir), "--iterations", "2", "--num-envs", "4", "--max-new-tokens", "24",
+            "--max-turn-tokens", "6", "--out", str(tmp_path / "run"), "--no-progress", "--no-plot",
+            *(f"--{k.replace('_', '-')}={v}" for k, v in _jsonl(tmp_path).items())])
+    out, err = capsys.readouterr()
+    rows = T.read_metrics(tmp_path / "run" / "metrics.csv")[1:]
+    assert all(2 * r["env_turns_cut"] > r["episodes"] and r["reward"] == 0.0 for r in rows)
+    cut = int(rows[-1]["env_turns_cut"])
+    for it in (1, 2):  # said on every iteration where most conversations were cut, not only the first
+        assert re.search(rf"iteration {it}: \d+ environment turns did not fit --max-new-tokens 24 \(\d+ conversations\)", err)
+    assert re.search(r"iteration 1: zero_reward \(reward 0.000; \d+ environment turns cut by the token budget "
+                     r"\(env_turns_cut\): raise --max-new-tokens\)", err)
+    assert (f"MOST CONVERSATIONS CUT in 2 of 2 iterations (env_turns_cut {cut} of {rows[-1]['episodes']:g} in iteration "
+            f"2): raise --max-new-tokens 24") in out
+    samples = (tmp_path / "run" / "samples.txt").read_text()
+    assert CUT_MARK in samples and "user: result" not in samples  # the reply the model never read is not shown
+
+
+def test_a_users_tool_gets_a_budget_for_a_round_trip_and_an_answer():
+    from ppo_objectives import train as T
+    from ppo_objectives.train.config import TASK_DEFAULTS, TOOL_DEFAULTS
+
+    flags = dict(task="jsonl", model="m", prompts="p.jsonl", reward="r.py:f")
+    cfg = T.TrainConfig(**flags, tool="t.py:tool")
+    assert (cfg.max_new_tokens, cfg.minibatches) == (80, 4) == tuple(TOOL_DEFAULTS.values())
+    assert TOOL_DEFAULTS["max_new_tokens"] == TASK_DEFAULTS["chat-calc"]["max_new_tokens"]
+    assert T.TrainConfig(**flags).max_new_tokens == 16  # without a tool: the single-turn recipe
+    assert T.TrainConfig(**flags, tool="t.py:tool", max_new_tokens=32).max_new_tokens == 32  # a flag wins
+    assert "--tool 80]" in " ".join(T.build_parser().format_help().split())
+
+
 def test_a_single_turn_run_has_no_turn_columns(tmp_path, chat_model_dir):
     from ppo_objectives import train as T
 
@@ -199,6 +234,9 @@ def test_a_single_turn_run_has_no_turn_columns(tmp_path, chat_model_dir):
     (["--task", "chat-calc", "--max-turn-tokens", "90"], "--max-turn-tokens", "exceeds --max-new-tokens 80"),
     (["--task", "chat-calc", "--max-turns", "-1"], "--max-turns", "must be an int >= 0"),
     (["--task", "chat-add1", "--holes", "cut"], "--holes", "--task chat-add1 has one turn"),
+    (["--task", "reverse", "--tool", "t.py:reply"], "--tool", "but --task is reverse, a single-turn task"),
+    (["--task", "reverse", "--max-turns", "2"], "--max-turns", "--task reverse has one turn"),
+    (["--task", "add", "--max-turn-tokens", "4"], "--max-turn-tokens", "--task add has one turn"),
     (["--task", "chat-calc", "--holes", "cut", "--advantage", "grpo"], "--holes", "--advantage grpo has no GAE"),
 ])
 def test_a_misused_turn_flag_is_one_error_line(capsys, tmp_path, chat_model_dir, argv, flag, fix):
