@@ -17,7 +17,7 @@ API = Path(__file__).resolve().parents[1] / "docs" / "api"
 
 # Public modules without a page of their own, and the page that holds their automodule instead: the
 # job's and the kit's inner modules (their names are documented on the subpackage's page).
-INNER = {"train": ("config", "launch", "build", "rollout", "update", "loop", "cli", "distributed", "checkpoints",
+INNER = {"train": ("config", "config_file", "launch", "build", "rollout", "update", "loop", "cli", "distributed", "checkpoints",
                    "loggers", "text_job"),
          "testing": ("batches", "references", "networks", "asserts")}
 DOCUMENTED_ELSEWHERE = {f"{pkg}.{m}": pkg for pkg, ms in INNER.items() for m in ms}

@@ -23,7 +23,7 @@ from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
 from ppo_objectives.llm.readouts import ActorCritic, frozen_reference, make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train import text_job
-from ppo_objectives.train.checkpoints import load_checkpoint, restore_rng_states, restore_state
+from ppo_objectives.train.checkpoints import load_checkpoint, remove_run_files, restore_rng_states, restore_state
 from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.digit import DigitTask, warm_start
 from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_rollout, shard_fsdp, wrap_ddp
@@ -220,7 +220,39 @@ def _advantage_estimator(cfg: TrainConfig, device: torch.device, process_group):
 
 @dataclass
 class Run:
-    """Everything one training run holds, built by :func:`build` (identical on every rank)."""
+    """Everything one training run holds, built by :func:`build` (identical on every rank). A callback of
+    :func:`~ppo_objectives.train.train` receives it as ``run``; reading is safe, changing is at the callback's risk.
+
+    Attributes:
+        cfg: the run's :class:`~ppo_objectives.train.TrainConfig`, its recipe defaults filled in.
+        d: the process group: ``d.rank``, ``d.world``, ``d.main`` (rank 0), ``d.group`` (``None`` without torchrun).
+        out: the output directory (``--out``) as a ``Path``: ``metrics.csv``, ``checkpoint.pt``, ``hf/``, ...
+        device: the ``torch.device`` of the networks and the env.
+        task: the training task: a :class:`~ppo_objectives.train.digit.DigitTask` or a
+            :class:`~ppo_objectives.train.text.TextTask` (its ``tokenizer``, ``examples``, ``reward``).
+        env: the :class:`~ppo_objectives.llm.env.TokenLMEnv` the collector steps (``env.env_turns_cut``, ...).
+        ac: the :class:`~ppo_objectives.llm.readouts.ActorCritic`: ``ac.actor_model`` (the language model being
+            trained), ``ac.actor`` / ``ac.critic`` (the TensorDict modules the loss calls), ``ac.policy`` (the
+            env's policy), ``ac.critic_head``.
+        ref: the frozen reference module of the KL terms; ``None`` when no KL term reads it.
+        ddp_wrappers: the ``DistributedDataParallel`` wrappers under torchrun (empty otherwise).
+        controller: the in-reward KL coefficient's controller (fixed, or adaptive with ``--adaptive-kl``).
+        kl_transform: the :class:`~ppo_objectives.transforms.KLPenaltyTransform`; ``None`` without a reference.
+        gae: the advantage estimator: :class:`~ppo_objectives.value.gae.MaskedGAE`, or with a critic-free
+            ``--advantage`` a :class:`~ppo_objectives.value.critic_free.GroupAdvantage` /
+            :class:`~ppo_objectives.value.critic_free.ReinforcePlusPlus`.
+        loss_module: the :class:`~ppo_objectives.loss.TokenPPOLoss` of the update.
+        optimizers: ``(actor AdamW, critic AdamW)``; a callback may change their learning rates.
+        guard: the :class:`~ppo_objectives.train.monitor.CollapseGuard` that writes the ``warn_*`` columns.
+        stateful: what ``checkpoint.pt`` holds, by name (``state_dict()`` of each).
+        gen: the update's generator (minibatch permutations).
+        start_it: the iteration this process started from (the checkpoint's with ``--resume``, else 0).
+        collector: TorchRL's collector of the rollouts; ``collector_iter`` its iterator.
+        evaluation: text tasks: the held-out evaluation (called as ``evaluation(model, iteration, what)``); else
+            ``None``.
+        next_eval_s: ``--eval-minutes``: the training time of the next evaluation.
+        input_sha256: ``--task jsonl``: the input files' hashes as read (checkpointed; ``--resume`` checks them).
+    """
 
     cfg: TrainConfig
     d: Dist
@@ -233,7 +265,7 @@ class Run:
     ddp_wrappers: list
     controller: object
     kl_transform: KLPenaltyTransform | None
-    gae: MaskedGAE
+    gae: MaskedGAE | GroupAdvantage | ReinforcePlusPlus
     loss_module: TokenPPOLoss
     optimizers: tuple
     guard: CollapseGuard
@@ -265,6 +297,8 @@ def build(cfg: TrainConfig, d: Dist) -> Run:
     """Setup: seeds, task, env, networks, TorchRL modules, optimizers, the collector; ``--resume``."""
     pg, out = d.group, Path(cfg.out)
     if d.main:
+        if cfg.overwrite:  # a new run where another one was: its files go, nothing of it is appended to
+            remove_run_files(out)
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)  # the warm start's data, then the minibatch permutations

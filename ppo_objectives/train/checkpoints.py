@@ -86,6 +86,27 @@ def write_run_config(out: Path, iteration: int, config: dict) -> None:
     os.replace(tmp, out / "run_config.json")
 
 
+#: What a run writes in its ``--out`` (files and folders): a new run refuses an ``--out`` holding any of them unless
+#: it continues that run (``--resume``) or deletes them first (``--overwrite``, :func:`remove_run_files`).
+RUN_FILES = ("checkpoint.pt", "run_config.json", "metrics.csv", "training.png", "samples.txt", "hf", "logs")
+
+
+def run_files(out: Path) -> list[str]:
+    """The entries of :data:`RUN_FILES` (and their ``.tmp`` files) that ``out`` holds, in that order."""
+    out = Path(out)
+    names = [n for name in RUN_FILES for n in (name, f"{name}.tmp")]
+    return [n for n in names if out.is_dir() and (out / n).exists()]
+
+
+def remove_run_files(out: Path) -> None:
+    """Delete what a run wrote in ``out`` (:func:`run_files`); anything else there is left alone."""
+    import shutil
+
+    for name in run_files(out):
+        path = Path(out) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def read_run_config(out: Path) -> dict | None:
     """``{"iteration", "config"}`` of the checkpoint in ``out`` (``None`` without a checkpoint); from
     ``run_config.json``, else from the checkpoint itself."""

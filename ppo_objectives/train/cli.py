@@ -3,8 +3,10 @@
 :func:`main` parses the flags into a :class:`~ppo_objectives.train.config.TrainConfig`, refuses
 what the run cannot honour with one ``error:`` line that names the flag and the fix, after a
 one-line usage hint (exit 2, no traceback), runs the iterations with the job's loop
-(:func:`~ppo_objectives.train.loop.train`), and prints a one-line summary (its speed in s/it below one iteration a second; a text run without
-held-out prompts says so instead of an accuracy).
+(:func:`~ppo_objectives.train.loop.train`), and prints a one-line summary (its speed in s/it below one iteration a
+second; a text run without held-out prompts says so instead of an accuracy). ``--config FILE`` puts the flags of a
+TOML file or of a run's ``run_config.json`` before the command line's
+(:mod:`~ppo_objectives.train.config_file`).
 """
 
 from __future__ import annotations
@@ -12,19 +14,27 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 
 from ppo_objectives.train.config import TrainConfig, build_parser
+from ppo_objectives.train.config_file import config_flags
 from ppo_objectives.train.launch import check_launch
+from ppo_objectives.train.loggers import read_metrics
 from ppo_objectives.train.loop import run_checked
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_file = getattr(parser.parse_known_args(argv)[0], "config", None)  # its flags first: the command line wins
+    try:
+        args = parser.parse_args([*(config_flags(config_file) if config_file else ()), *argv])
+    except (ValueError, TypeError, ImportError, OSError) as err:
+        parser.error(str(err))
     try:  # a configuration this run cannot honour is an error line, not a traceback
-        cfg = TrainConfig(**vars(args))
+        cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k != "config"})
         check_launch(cfg)
     except (ValueError, TypeError, ImportError, OSError, RuntimeError) as err:
         parser.error(flag_message(str(err)))
@@ -69,7 +79,9 @@ def _speed(iterations: int, wall: float) -> str:
 
 def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
     """The run's last line: reward start -> end, held-out accuracy (text tasks), speed, failures."""
-    evals = [r for r in rows if not math.isnan(r.get("eval_greedy", math.nan))]
+    logged = Path(cfg.out) / "metrics.csv"
+    whole_run = read_metrics(logged) if cfg.resume and logged.exists() else rows  # resumed: row 0 was logged before
+    evals = [r for r in whole_run if not math.isnan(r.get("eval_greedy", math.nan))]
     rows = [r for r in rows if r["iteration"] > 0]
     if not rows:
         return f"no iteration run; metrics in {Path(cfg.out) / 'metrics.csv'}"
@@ -83,10 +95,22 @@ def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
         held_out = "no held-out evaluation; "
     if len(evals) > 1:
         held_out = (f"held-out greedy {evals[0]['eval_greedy']:.3f} -> {evals[-1]['eval_greedy']:.3f}, sampled "
-                    f"{evals[0]['eval_sampled']:.3f} -> {evals[-1]['eval_sampled']:.3f}; ")
+                    f"{evals[0]['eval_sampled']:.3f} -> {evals[-1]['eval_sampled']:.3f} (iteration "
+                    f"{evals[0]['iteration']:g} -> {evals[-1]['iteration']:g}); ")
     return (
         f"reward (mean of {k} iterations): start {first:.3f} -> end {last:.3f}; "
         f"exact-match at the end {rows[-1]['exact']:.2f}; {held_out}{len(rows)} iterations in "
         f"{wall:.0f}s ({_speed(len(rows), wall)}); collapsed iterations {collapsed}, KL spikes {spikes}; "
-        f"metrics in {Path(cfg.out) / 'metrics.csv'}"
+        f"{_cut_turns(rows, cfg)}metrics in {Path(cfg.out) / 'metrics.csv'}"
     )
+
+
+def _cut_turns(rows: list[dict], cfg: TrainConfig) -> str:
+    """A multi-turn run whose token budget cut most conversations in some iteration says so, with the flag to raise
+    (``""`` otherwise)."""
+    cut = [r for r in rows if 2 * r.get("env_turns_cut", 0.0) > r.get("episodes", math.inf)]
+    if not cut:
+        return ""
+    return (f"MOST CONVERSATIONS CUT in {len(cut)} of {len(rows)} iterations (env_turns_cut {cut[-1]['env_turns_cut']:g} "
+            f"of {cut[-1]['episodes']:g} in iteration {cut[-1]['iteration']:g}): raise --max-new-tokens "
+            f"{cfg.max_new_tokens}; ")

@@ -89,6 +89,12 @@ TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns
                                                     minibatches=4),
                                  "chat-word": dict(max_new_tokens=64)}
 
+#: The budgets of ``--task jsonl --tool`` (the user's own tool) for the flags left unset: a tool round trip and a
+#: final answer need chat-calc's conversation budget (at 16 tokens SmolLM2's lookup calls were right and the tool's
+#: replies were cut: held-out greedy 0.000, against 0.955 at 80; ``benchmarks/tool_budget.py``), and its four
+#: minibatches for rows that long. The turns stay free (``--max-turns 0``, ``--max-turn-tokens 0``): the tool decides when the episode ends.
+TOOL_DEFAULTS: dict[str, int] = dict(max_new_tokens=80, minibatches=4)
+
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
 
@@ -100,7 +106,10 @@ def _default(module: type, name: str):
 
 def _rf(name: str, help: str):
     toy, text = RECIPES["toy"][name], RECIPES["pretrained"][name]
-    return _f(None, f"{help} [default: {toy} toy / {text} pretrained]", recipe=True)
+    tasks = [f"{task} {values[name]}" for task, values in (*TASK_DEFAULTS.items(), ("--tool", TOOL_DEFAULTS))
+             if name in values]
+    return _f(None, f"{help} [default: {toy} toy / {text} pretrained{'; ' if tasks else ''}{', '.join(tasks)}]",
+              recipe=True)
 
 
 @dataclass
@@ -111,6 +120,9 @@ class TrainConfig:
     out: str = _f("runs/ppo_token_lm", "output directory: metrics.csv, training.png, checkpoint.pt")
     resume: bool = _f(False, "continue from OUT/checkpoint.pt with the same flags (--iterations may grow; logging and "
                              "progress flags may change); metrics are appended")
+    overwrite: bool = _f(False, "start a new run in an --out that already holds one: its files (checkpoint.pt, "
+                                "metrics.csv, training.png, samples.txt, hf/, logs/, run_config.json) are deleted "
+                                "first; without --overwrite or --resume such an --out is refused")
     allow_change: str = _f("", "with --resume: flags (comma-separated, e.g. lr,kl-reward-coeff) allowed to differ from the "
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
@@ -123,6 +135,9 @@ class TrainConfig:
                           "chat messages) and the reward's fields")
     reward: str = _f("", "--task jsonl: the reward, FILE.py:function called as function(completion, **fields)")
     eval_prompts: str = _f("", "--task jsonl: held-out prompts (same format as --prompts); none: no evaluation")
+    chat_template: bool = _f(True, "text tasks: render the prompts with the tokenizer's chat template; "
+                                   "--no-chat-template tokenizes string prompts as they are, for a base model whose "
+                                   "tokenizer has none (single-turn tasks with string prompts)")
     tool: str = _f("", "--task jsonl: the environment's turn, FILE.py:function called as function(messages, "
                        "**fields) after each assistant turn; it returns the next message (a str) or None to end the "
                        "episode. Makes the task multi-turn: its messages are holes in the response")
@@ -255,10 +270,13 @@ class TrainConfig:
         return "pretrained" if self.task in TEXT_TASKS else "toy"
 
     def __post_init__(self):
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite deletes it to start a new one; give "
+                             "one of them")
         if self.lora_rank and self.lr is None:
             self.lr = LORA_LR
         for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *TASK_DEFAULTS.get(self.task, {}).items(),
-                            *RECIPES[self.recipe].items(), ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
+                            *(TOOL_DEFAULTS.items() if self.tool else ()), *RECIPES[self.recipe].items(), ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self._check_advantage()
@@ -377,6 +395,8 @@ class TrainConfig:
                              f"{self.task}; add --task jsonl or drop them")
         if self.task not in TASKS:
             raise ValueError(f"TrainConfig task={self.task!r} must be one of {TASKS}")
+        self._check_turns()  # the toy tasks too: they have one turn, and refuse the multi-turn flags
+        self._check_chat_template()
         if self.recipe == "toy":  # DigitTask checks --digits itself (check_launch builds one)
             if self.max_new_tokens is not None:
                 raise ValueError(f"--max-new-tokens is for text tasks; the toy task {self.task} answers in a fixed "
@@ -396,7 +416,7 @@ class TrainConfig:
                              "the tokenizer and the reward run in this process only; use --workers 1 "
                              "--collector-backend process (or torchrun for data parallelism)")
         _validate.check_int("max_new_tokens", self.max_new_tokens, low=1, where="TrainConfig ")
-        self._check_turns()
+        self._check_turn_budgets()
 
     @property
     def multi_turn(self) -> bool:
@@ -404,7 +424,8 @@ class TrainConfig:
         return self.task == "chat-calc" or bool(self.tool)
 
     def _check_turns(self) -> None:
-        """``--tool`` belongs to ``--task jsonl``; the turn budgets to a multi-turn task, and fit ``--max-new-tokens``."""
+        """``--tool`` belongs to ``--task jsonl``; ``--max-turns``, ``--max-turn-tokens`` and ``--holes`` to a multi-turn
+        task (a toy digit task or a single-turn text task refuses them)."""
         if self.tool and self.task != "jsonl":
             raise ValueError(f"--tool adds the environment's turn to your own prompts (--task jsonl), but --task is "
                              f"{self.task}" + (", which has its own calc tool" if self.task == "chat-calc" else
@@ -416,14 +437,32 @@ class TrainConfig:
                 given.append(("--holes", self.holes))
             if given:
                 raise ValueError(f"{given[0][0]} is for the turns of a multi-turn task, and --task {self.task} has "
-                                 f"one turn; give --tool FILE.py:function (with --task jsonl) or drop {given[0][0]}")
+                                 f"one turn; use a multi-turn task (--task chat-calc, or --task jsonl with --tool "
+                                 f"FILE.py:function) or drop {given[0][0]}")
             return
         for flag, value in given:
             _validate.check_int(flag.lstrip("-").replace("-", "_"), value, low=0, where="TrainConfig ")
         if self.holes != "skip" and self.advantage != "gae":
             raise ValueError(f"--holes {self.holes} chooses how GAE crosses the environment's turns, and --advantage "
                              f"{self.advantage} has no GAE; use --advantage gae or drop --holes")
-        if (self.max_turn_tokens or 0) > self.max_new_tokens:
+
+    def _check_chat_template(self) -> None:
+        """``--no-chat-template`` is for a single-turn text task: a toy task has no prompts to render, and a tool's
+        turns are rendered by the chat template."""
+        if self.chat_template:
+            return
+        if self.recipe == "toy":
+            raise ValueError(f"--no-chat-template is for text tasks' prompts, and --task {self.task} is a toy digit "
+                             f"task (no chat template is used); drop --no-chat-template")
+        if self.multi_turn:
+            raise ValueError(f"--no-chat-template with {'--tool' if self.tool else '--task chat-calc'}: the "
+                             f"environment's turns are rendered by the chat template between the model's turns; use "
+                             f"a tokenizer with a chat template (a tiny one: python -m ppo_objectives.pretrained "
+                             f"--chat --out DIR) or a single-turn task")
+
+    def _check_turn_budgets(self) -> None:
+        """A multi-turn text task's turn budget fits the conversation's, ``--max-new-tokens``."""
+        if self.multi_turn and (self.max_turn_tokens or 0) > self.max_new_tokens:
             raise ValueError(f"--max-turn-tokens {self.max_turn_tokens} exceeds --max-new-tokens {self.max_new_tokens}, "
                              f"the whole conversation's budget; lower it or raise --max-new-tokens")
 
@@ -454,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
         g = groups[next(name for name, members in _GROUP_MEMBERS.items() if f.name in members)]
         if f.type in ("bool", bool) and meta.get("recipe"):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=meta["help"])
+        elif f.type in ("bool", bool) and f.default:  # on unless switched off: --no-FLAG
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=meta["help"])
         elif f.type in ("bool", bool):
             g.add_argument(flag, action="store_true", help=meta["help"])
         else:
@@ -461,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
                 f.type if isinstance(f.type, str) else f.type.__name__]
             default = argparse.SUPPRESS if meta.get("recipe") else f.default
             g.add_argument(flag, type=typ, default=default, help=meta["help"], choices=meta.get("choices"))
+    groups["run"].add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,  # only in a namespace given it
+                               help="take flags from FILE: a TOML file whose keys are the flags' names (lr = 3e-5, "
+                               "max-new-tokens = 80), or a run's OUT/run_config.json to repeat that run; flags on "
+                               "the command line win (ppo_objectives.train.config_file)")
     return p
 
 
@@ -478,9 +523,9 @@ _HELP_GROUPS = {
 
 
 _GROUP_MEMBERS = {
-    "run": ("iterations", "seed", "device", "resume", "allow_change", "time_limit"),
+    "run": ("iterations", "seed", "device", "resume", "overwrite", "allow_change", "time_limit"),
     "model": ("preset", "model", "token_map", "dtype", "reference_dtype", "grad_checkpointing", "lora_rank"),
-    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "tool", "max_turns", "max_turn_tokens",
+    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "chat_template", "tool", "max_turns", "max_turn_tokens",
              "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
@@ -496,5 +541,6 @@ _GROUP_MEMBERS = {
 
 #: The flags a ``--resume`` may change: they alter neither what the run computes nor its data (``--iterations``
 #: only upward). Any other difference from the checkpoint's configuration is refused unless ``--allow-change`` names it.
-RESUME_MAY_CHANGE = ("iterations", "resume", "out", "no_progress", "no_plot", "logger", "save_every", "threads",
-                     "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples", "ray_address")
+RESUME_MAY_CHANGE = ("iterations", "resume", "overwrite", "out", "no_progress", "no_plot", "logger", "save_every",
+                     "threads", "time_limit", "allow_change", "eval_every", "eval_minutes", "eval_samples",
+                     "ray_address")

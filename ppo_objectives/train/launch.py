@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ppo_objectives.train.checkpoints import INPUT_SHA256, read_run_config
+from ppo_objectives.train.checkpoints import INPUT_SHA256, read_run_config, run_files
 from ppo_objectives.train.config import RESUME_MAY_CHANGE, TrainConfig
 from ppo_objectives.train.digit import DigitTask
 from ppo_objectives.train.distributed import check_fsdp, launched_world_size
@@ -55,7 +55,8 @@ def check_launch(cfg: TrainConfig) -> None:
     ``--shared-trunk`` where they cannot run, ``--collector-backend ray`` without ray (or under
     torchrun without ``--ray-address``), an ``--out`` that is (or lies under) a file, ``--allow-change``
     without ``--resume``, a ``--model`` or text-task input that cannot be read
-    (:func:`~ppo_objectives.train.text_job.check_inputs`), and for ``--resume``: no checkpoint in
+    (:func:`~ppo_objectives.train.text_job.check_inputs`), a new run in an ``--out`` that holds another run's
+    files (:data:`~ppo_objectives.train.checkpoints.RUN_FILES`) without ``--overwrite``, and for ``--resume``: no checkpoint in
     ``--out``, flags that differ from the checkpoint's (:data:`~ppo_objectives.train.RESUME_MAY_CHANGE` lists those that
     may), input files (``--prompts``, ``--reward``, ``--eval-prompts``) whose sha256 differs from the
     checkpoint's, or nothing left to run. ``python -m ppo_objectives.train`` turns each into an
@@ -89,6 +90,23 @@ def check_launch(cfg: TrainConfig) -> None:
     check_inputs(cfg)  # --model, --prompts, --reward, --eval-prompts: readable before anything loads
     if cfg.resume:
         _check_resume(cfg, out)
+    elif not cfg.overwrite:
+        _check_new_run(out)
+
+
+def _check_new_run(out: Path) -> None:
+    """A new run (no ``--resume``, no ``--overwrite``) never writes over another run's files: an ``--out`` that holds
+    any of them is refused. Under torchrun every rank checks before the process group forms, so before rank 0
+    writes anything."""
+    held = run_files(out)
+    if not held:
+        return
+    saved = read_run_config(out)
+    at = f", a checkpoint at iteration {saved['iteration']}" if saved is not None else ""
+    raise FileExistsError(
+        f"--out {out} already holds a run ({', '.join(held)}{at}); add --resume to continue it, --overwrite to delete "
+        f"those files and start a new run there, or give another --out"
+    )
 
 
 def _check_ray_launch(cfg: TrainConfig) -> None:
@@ -110,7 +128,8 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
     if saved is None:
         raise FileNotFoundError(
             f"--resume: no checkpoint in {out} ({out / 'checkpoint.pt'} does not exist); drop --resume to start a new "
-            f"run there, or give the --out of the run to continue"
+            f"run there{' with --overwrite (it holds ' + ', '.join(run_files(out)) + ')' if run_files(out) else ''}, "
+            f"or give the --out of the run to continue"
         )
     allowed = {a.strip().replace("-", "_") for a in cfg.allow_change.split(",") if a.strip()}
     unknown = sorted(allowed - {f.name for f in fields(TrainConfig)})

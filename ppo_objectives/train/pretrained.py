@@ -49,6 +49,7 @@ Example (write a checkpoint, load it for the task, score a batch):
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -194,6 +195,19 @@ def check_checkpoint_dir(path) -> Path:
 def has_tokenizer(path) -> bool:
     """Whether checkpoint directory ``path`` holds a tokenizer (``tokenizer.json`` / ``tokenizer_config.json``)."""
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def has_chat_template(path) -> bool:
+    """Whether the tokenizer saved in checkpoint directory ``path`` has a chat template: a ``chat_template.jinja`` /
+    ``chat_template.json`` file, or a ``chat_template`` in ``tokenizer_config.json`` (read as files: nothing loads)."""
+    path = Path(path)
+    if any((path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = path / "tokenizer_config.json"
+    try:
+        return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, AttributeError):  # not JSON, or not an object: no template that transformers would read
+        return False
 
 
 def load_tokenizer(path):

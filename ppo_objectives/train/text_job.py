@@ -18,7 +18,13 @@ import torch
 
 from ppo_objectives.llm.lora import merged_hf_model
 from ppo_objectives.train.calc import calc_examples, calc_tool, tool_calls_well_formed
-from ppo_objectives.train.pretrained import CONVERTER, check_checkpoint_dir, has_tokenizer, load_tokenizer
+from ppo_objectives.train.pretrained import (
+    CONVERTER,
+    check_checkpoint_dir,
+    has_chat_template,
+    has_tokenizer,
+    load_tokenizer,
+)
 from ppo_objectives.train.text import (
     TextTask,
     arithmetic_examples,
@@ -70,6 +76,13 @@ def check_inputs(cfg) -> None:
         return
     if not has_tokenizer(cfg.model):
         raise _no_tokenizer(cfg)
+    if cfg.chat_template and not has_chat_template(cfg.model):
+        raise ValueError(
+            f"--model {cfg.model}: its tokenizer has no chat template, so --task {cfg.task}'s prompts cannot be "
+            f"rendered as a chat; give --no-chat-template to tokenize string prompts as they are (a base model), or "
+            f"a model with a chat template ({CONVERTER}; a tiny one for a smoke run: python -m "
+            f"ppo_objectives.pretrained --chat --out DIR)"
+        )
     _text_inputs(cfg)
 
 
@@ -105,6 +118,11 @@ def _text_inputs(cfg) -> tuple[list, object, list | None, object]:
             raise TypeError(f"{flag} {getattr(cfg, flag[2:])}: {err}") from None
     if held_out is not None:
         _check_disjoint(train, held_out)
+    if not cfg.chat_template:  # chat messages need the template
+        chat = next((ex for ex in train + (held_out or []) if not isinstance(ex.prompt, str)), None)
+        if chat is not None:
+            raise ValueError(f"--no-chat-template: the prompt at {chat.source} is a list of chat messages, which only "
+                             f"a chat template renders; give it as a string, or drop --no-chat-template")
     return train, reward, held_out, tool
 
 
@@ -142,7 +160,7 @@ def build_text_tasks(cfg) -> tuple[TextTask, TextTask | None]:
     if tokenizer is None:
         raise _no_tokenizer(cfg)
     train, reward, held_out, tool = _text_inputs(cfg)
-    kw = dict(max_new_tokens=cfg.max_new_tokens)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
     if tool is not None:
         kw.update(tool=tool, max_turns=cfg.max_turns or None, max_turn_tokens=cfg.max_turn_tokens or None)
     return (TextTask(train, reward, tokenizer, name=cfg.task, **kw),

@@ -16,6 +16,7 @@ from _flags import SHORT
 from ppo_objectives import train as T
 from ppo_objectives.pretrained import main as export_main
 from ppo_objectives.train import pretrained as PT
+from ppo_objectives.train.checkpoints import read_run_config
 from ppo_objectives.train.cli import _summary, flag_message
 from ppo_objectives.train.digit import DigitTask
 
@@ -45,6 +46,7 @@ def files(tmp_path):
     (tmp_path / "ckpt").mkdir()
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / "ckpt" / name).write_text("{}")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text("{{ messages }}")
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n')
@@ -250,3 +252,70 @@ def test_a_checkpoint_of_another_version_is_refused_by_name(tmp_path, cli_error)
     meta.write_text(json.dumps(saved))
     err = cli_error(["--iterations", "2", "--resume", *SHORT, "--out", str(out)])
     assert "written by another version of ppo_objectives" in err and "['loop', 'temperature']" in err
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_flag_and_a_model_with_one(capsys, files):
+    (files / "ckpt" / "chat_template.jinja").unlink()  # a base model's tokenizer
+    jsonl = ["--task", "jsonl", "--prompts", str(files / "p.jsonl"), "--reward", f"{files / 'r.py'}:f"]
+    line = one_error_line(capsys, ["--model", str(files / "ckpt"), *jsonl, "--out", str(files / "run")])
+    assert f"--model {files / 'ckpt'}: its tokenizer has no chat template" in line
+    assert "give --no-chat-template to tokenize string prompts as they are" in line
+    assert "python -m ppo_objectives.pretrained --chat --out DIR" in line
+    (files / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": 2}))
+    line = one_error_line(capsys, ["--model", str(files / "ckpt"), *jsonl, "--prompts", str(files / "chat.jsonl"),
+                                   "--no-chat-template", "--out", str(files / "run")])
+    assert f"--no-chat-template: the prompt at {files / 'chat.jsonl'}:1 is a list of chat messages" in line
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--no-chat-template"], "--no-chat-template is for text tasks' prompts, and --task reverse is a toy digit task"),
+    (["--task", "chat-calc", "--model", "m", "--no-chat-template"], "--no-chat-template with --task chat-calc: the "
+                                                                    "environment's turns are rendered by the chat"),
+])  # fmt: skip
+def test_no_chat_template_where_nothing_can_do_without_one_is_refused(capsys, tmp_path, argv, match):
+    assert match in one_error_line(capsys, [*argv, "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("files_written, expected", [
+    ({"chat_template.jinja": "{{ messages }}"}, True),
+    ({"chat_template.json": "{}"}, True),
+    ({"tokenizer_config.json": '{"chat_template": "{{ messages }}"}'}, True),
+    ({"tokenizer_config.json": '{"eos_token": "</s>"}'}, False),
+    ({"tokenizer_config.json": "not json"}, False),
+    ({}, False),
+])
+def test_has_chat_template_reads_the_files_only(tmp_path, files_written, expected):
+    for name, text in files_written.items():
+        (tmp_path / name).write_text(text)
+    assert PT.has_chat_template(tmp_path) is expected
+
+
+def test_the_tiny_chat_model_of_the_export_command_runs_a_jsonl_task_with_and_without_its_template(capsys, tmp_path):
+    assert export_main(["--chat", "--out", str(tmp_path / "chat"), "--hidden-size", "32", "--layers", "1"]) == 0
+    assert "wrote a tiny chat Llama" in capsys.readouterr().out
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + 1 =", "answer": a + 1}) + "\n"
+                                              for a in range(4)))
+    (tmp_path / "r.py").write_text("def f(completion, answer):\n    return float(str(answer) in completion)\n")
+    run = ["--model", str(tmp_path / "chat"), "--task", "jsonl", "--prompts", str(tmp_path / "p.jsonl"), "--reward",
+           f"{tmp_path / 'r.py'}:f", "--iterations", "1", "--num-envs", "4", "--max-new-tokens", "4", "--no-progress",
+           "--no-plot"]
+    for flags, out in (([], "templated"), (["--no-chat-template"], "raw")):
+        assert T.main([*run, *flags, "--out", str(tmp_path / out)]) == 0
+        assert T.read_metrics(tmp_path / out / "metrics.csv")[-1]["iteration"] == 1
+    saved = {out: read_run_config(tmp_path / out)["config"]["chat_template"] for out in ("templated", "raw")}
+    assert saved == {"templated": True, "raw": False}
+
+
+def test_the_export_command_refuses_a_non_empty_out_and_flags_chat_cannot_honour(capsys, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("x")
+    for argv, match in ((["--out", str(tmp_path / "full")], re.escape(f"--out {tmp_path / 'full'} is not empty "
+                                                                       f"(mine.txt, ...); give a new directory, or "
+                                                                       f"--overwrite")),
+                        (["--chat", "--arch", "qwen2", "--heads", "2", "--out", str(tmp_path / "c")],
+                         "--chat writes a fixed tiny chat Llama .* drop --arch, --heads")):
+        with pytest.raises(SystemExit) as exc:
+            export_main(argv)
+        assert exc.value.code == 2 and re.search(match, capsys.readouterr().err)
+    assert export_main(["--out", str(tmp_path / "full"), "--overwrite", "--hidden-size", "16", "--layers", "1"]) == 0
+    assert (tmp_path / "full" / "mine.txt").read_text() == "x" and (tmp_path / "full" / "config.json").exists()

@@ -405,6 +405,21 @@ def test_held_out_prompts_that_are_training_prompts_are_refused(tmp_path, chat_m
                  eval_prompts=str(held))
 
 
+def test_a_resumed_runs_summary_gives_the_held_out_numbers_from_the_runs_start(tmp_path, chat_model_dir, capsys):
+    from ppo_objectives import train as T
+
+    argv = ["--model", str(chat_model_dir), "--task", "chat-add1", "--num-envs", "4", "--max-new-tokens", "4",
+            "--eval-every", "1", "--save-every", "1", "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"]
+    T.main([*argv, "--iterations", "1"])
+    capsys.readouterr()
+    T.main([*argv, "--iterations", "2", "--resume"])
+    rows = T.read_metrics(tmp_path / "run" / "metrics.csv")
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert (f"held-out greedy {rows[0]['eval_greedy']:.3f} -> {rows[2]['eval_greedy']:.3f}, sampled "
+            f"{rows[0]['eval_sampled']:.3f} -> {rows[2]['eval_sampled']:.3f} (iteration 0 -> 2)") in summary
+    assert "1 iterations in" in summary  # the iterations this process ran
+
+
 def test_text_job_resumes_exactly(tmp_path, chat_model_dir):
     from ppo_objectives import train as T
 
