@@ -81,14 +81,12 @@ def run_one(task: str, seed: int, args, out: Path, recipe: str = "default") -> d
     run_dir = out / task / f"seed{seed}"
     cmd = [sys.executable, "-m", "ppo_objectives.train", "--task", task, "--seed", str(seed),
            "--iterations", str(args.iterations), "--threads", str(args.threads), "--out", str(run_dir),
-           "--no-progress", "--no-plot", *extra]  # fmt: skip
+           "--overwrite", "--no-progress", "--no-plot", *extra]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = run_dir / "wall_s.txt"  # written last: the run finished
     if args.reuse and done.exists() and len(read_metrics(run_dir / "metrics.csv")) == args.iterations:
         wall = float(done.read_text())
     else:
-        if (run_dir / "metrics.csv").exists():
-            (run_dir / "metrics.csv").unlink()  # a fresh run, never appended to an old one
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0

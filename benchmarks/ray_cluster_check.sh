@@ -25,10 +25,10 @@ trap 'ray stop > /dev/null 2>&1' EXIT
 export RAY_AUTH_MODE=token  # ray start turns token authentication on; its token is in ~/.ray/auth_token
 echo "== one learner, 2 rollout actors on the cluster at $ADDR"
 python -m ppo_objectives.train --collector-backend ray --workers 2 --ray-address "$ADDR" --num-envs 16 \
-    --out "$OUT/one_learner" "${SMALL[@]}" 2>&1 | grep -E "^reward|Error|error" || true
+    --out "$OUT/one_learner" --overwrite "${SMALL[@]}" 2>&1 | grep -E "^reward|Error|error" || true
 echo "== torchrun: 2 learner ranks, 1 rollout actor each, on the same cluster"
 torchrun --nproc_per_node 2 -m ppo_objectives.train --collector-backend ray --workers 1 --ray-address "$ADDR" \
-    --no-shared-trunk --num-envs 8 --out "$OUT/torchrun" "${SMALL[@]}" 2>&1 \
+    --no-shared-trunk --num-envs 8 --out "$OUT/torchrun" --overwrite "${SMALL[@]}" 2>&1 \
     | grep -E "^reward|identical|Error|error" || true
 for run in one_learner torchrun; do
     test -f "$OUT/$run/metrics.csv" || { echo "FAILED: $run wrote no metrics.csv"; exit 1; }

@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     loop.ppo_update = traced_update  # the loop calls the update through its own module
     try:
         T.main(["--seed", str(args.seed), "--iterations", str(args.max_iterations), "--lr", str(args.lr),
-                "--no-rollback", "--no-progress", "--no-plot", "--out", str(ROOT / "runs" / "trace_kl_spike")])
+                "--no-rollback", "--no-progress", "--no-plot", "--out", str(ROOT / "runs" / "trace_kl_spike"),
+                "--overwrite"])  # a fresh trace each time
     except _Found:
         pass
     finally:
