@@ -211,6 +211,18 @@ def check_log_probs(tensors: dict[str, Tensor | None], where: str = "kl_estimate
             )
 
 
+def first_non_finite(inputs: list[tuple[str, Tensor, Tensor | None]]) -> tuple[str, tuple[int, ...], float] | None:
+    """``(name, position, value)`` of the first NaN/inf among ``inputs``, each ``(name, tensor, where it is read)``
+    (a bool tensor of the tensor's shape, or ``None``: everywhere), in order; ``None`` when all are finite where
+    they are read. An estimator whose result is not finite calls it to name the input to fix."""
+    for name, x, read in inputs:
+        bad = ~torch.isfinite(x) if read is None else ~torch.isfinite(x) & read
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            return name, pos, float(x[pos])
+    return None
+
+
 def check_scored_rows(m: Tensor) -> None:
     """Every row that gets a sequence score has a valid token to carry it (one host read; skipped under
     ``value_checks(False)``)."""

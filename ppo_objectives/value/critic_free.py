@@ -123,14 +123,12 @@ def _check_finite(method: str, adv: Tensor, inputs: list[tuple[str, Tensor, Tens
     host read when all is well; skipped under ``value_checks(False)`` and ``torch.compile``."""
     if not _validate.checking_values() or not adv.numel() or bool(torch.isfinite(adv).all()):
         return
-    for name, x, read, (where, fix) in inputs:
-        bad = ~torch.isfinite(x) & read
-        if bool(bad.any()):
-            pos = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"{method}: {name} holds {float(x[pos])} at {where.format(pos=pos)}, so the advantages would be "
-                f"NaN/inf; {fix}"
-            )
+    found = _validate.first_non_finite([(name, x, read) for name, x, read, _ in inputs])
+    if found is not None:
+        name, pos, value = found
+        where, fix = next(text for n, _, _, text in inputs if n == name)
+        raise ValueError(f"{method}: {name} holds {value} at {where.format(pos=pos)}, so the advantages would be "
+                         f"NaN/inf; {fix}")
     raise ValueError(f"{method}: the advantages are not finite although {overflow}; rescale them")
 
 

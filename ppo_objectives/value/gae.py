@@ -458,15 +458,14 @@ class MaskedGAE(ValueEstimatorBase):
         entries = [(f"reward {('next', keys.reward)!r}", r), (f"value {keys.value!r}", v)]
         if nv is not None:
             entries.append((f"next value {TD.next_key(keys.value)!r}", nv))
-        for name, x in entries:
-            bad = ~torch.isfinite(x) if valid is None else ~torch.isfinite(x) & valid
-            if bool(bad.any()):
-                pos = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(
-                    f"MaskedGAE: the {name} holds {float(x[pos])} at the valid position {pos}, so the advantages "
-                    f"would be NaN/inf; fix the reward function or the critic there, or mask the step out "
-                    f"(mask False: masked steps may hold anything, they are never read)"
-                )
+        found = _validate.first_non_finite([(name, x, valid) for name, x in entries])
+        if found is not None:
+            name, pos, value = found
+            raise ValueError(
+                f"MaskedGAE: the {name} holds {value} at the valid position {pos}, so the advantages would be "
+                f"NaN/inf; fix the reward function or the critic there, or mask the step out (mask False: masked "
+                f"steps may hold anything, they are never read)"
+            )
         raise ValueError(
             "MaskedGAE: the advantages are not finite although the rewards and values at the valid steps are "
             "(an overflow of very large rewards or values); rescale them"
