@@ -83,14 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-#: The flags of a tiny checkpoint that ``--chat`` does not take, with their defaults.
-_NOT_CHAT = {"arch": "llama", "heads": 4, "kv_heads": 2, "intermediate_size": None, "vocab_size": None,
-             "no_tokenizer": False, "tie_embeddings": True}
+#: The flags of a tiny checkpoint that ``--chat`` does not take (a value other than the parser's default is refused).
+_NOT_CHAT = ("arch", "heads", "kv_heads", "intermediate_size", "vocab_size", "no_tokenizer", "tie_embeddings")
 
 
 def _tiny_chat(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """``--chat``: the testing kit's tiny chat Llama, written to ``--out``; a flag it cannot honour is an error."""
-    given = [f"--{name.replace('_', '-')}" for name, default in _NOT_CHAT.items() if getattr(a, name) != default]
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_CHAT if getattr(a, name) != p.get_default(name)]
     if given:
         p.error(f"--chat writes a fixed tiny chat Llama (its tokenizer and width ratios are set) and takes only "
                 f"--hidden-size, --layers and --seed; drop {', '.join(given)}")

@@ -55,8 +55,8 @@ conversation's budget. The episode ends **truncated** when the budget is spent, 
 ``max_turns`` assistant turns are done, or when the environment's turn does not fit
 with a column to spare (then it is dropped, counted in ``env_turns_cut`` and
 :meth:`TokenLMEnv.turn_cut`, what ``env_turn_fn`` recorded for it is taken out of the
-conversation, and the conversation is scored as it stands). Rows end at different turns and reset on their
-own. ``conversation`` is the row's own list, empty at its reset, for ``env_turn_fn`` to
+conversation, and the conversation is scored as it stands). Rows end at different
+turns and reset on their own. ``conversation`` is the row's own list, empty at its reset, for ``env_turn_fn`` to
 record what it needs (:class:`~ppo_objectives.train.text.TextTask` keeps the tool's
 messages there); a ``reward_fn`` with a ``conversation`` parameter gets each finished
 row's, and its ``response_mask`` is ``assistant_mask``: the tokens the policy wrote.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Mapping
@@ -100,8 +101,6 @@ def run_files(out: Path) -> list[str]:
 
 def remove_run_files(out: Path) -> None:
     """Delete what a run wrote in ``out`` (:func:`run_files`); anything else there is left alone."""
-    import shutil
-
     for name in run_files(out):
         path = Path(out) / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -24,6 +24,7 @@ from ppo_objectives.train.config_file import config_flags
 from ppo_objectives.train.launch import check_launch
 from ppo_objectives.train.loggers import read_metrics
 from ppo_objectives.train.loop import run_checked
+from ppo_objectives.train.monitor import most_conversations_cut
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -108,9 +109,9 @@ def _summary(rows: list[dict], wall: float, cfg: TrainConfig) -> str:
 def _cut_turns(rows: list[dict], cfg: TrainConfig) -> str:
     """A multi-turn run whose token budget cut most conversations in some iteration says so, with the flag to raise
     (``""`` otherwise)."""
-    cut = [r for r in rows if 2 * r.get("env_turns_cut", 0.0) > r.get("episodes", math.inf)]
+    cut = [r for r in rows if most_conversations_cut(r)]
     if not cut:
         return ""
-    return (f"MOST CONVERSATIONS CUT in {len(cut)} of {len(rows)} iterations (env_turns_cut {cut[-1]['env_turns_cut']:g} "
-            f"of {cut[-1]['episodes']:g} in iteration {cut[-1]['iteration']:g}): raise --max-new-tokens "
-            f"{cfg.max_new_tokens}; ")
+    last = cut[-1]
+    return (f"MOST CONVERSATIONS CUT in {len(cut)} of {len(rows)} iterations (env_turns_cut {last['env_turns_cut']:g} "
+            f"of {last['episodes']:g} in iteration {last['iteration']:g}): raise --max-new-tokens {cfg.max_new_tokens}; ")

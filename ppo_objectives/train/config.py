@@ -92,7 +92,8 @@ TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns
 #: The budgets of ``--task jsonl --tool`` (the user's own tool) for the flags left unset: a tool round trip and a
 #: final answer need chat-calc's conversation budget (at 16 tokens SmolLM2's lookup calls were right and the tool's
 #: replies were cut: held-out greedy 0.000, against 0.955 at 80; ``benchmarks/tool_budget.py``), and its four
-#: minibatches for rows that long. The turns stay free (``--max-turns 0``, ``--max-turn-tokens 0``): the tool decides when the episode ends.
+#: minibatches for rows that long. The turns stay free (``--max-turns 0``, ``--max-turn-tokens 0``): the tool
+#: decides when the episode ends.
 TOOL_DEFAULTS: dict[str, int] = dict(max_new_tokens=80, minibatches=4)
 
 
@@ -276,7 +277,8 @@ class TrainConfig:
         if self.lora_rank and self.lr is None:
             self.lr = LORA_LR
         for name, value in (*ADVANTAGE_DEFAULTS.get(self.advantage, {}).items(), *TASK_DEFAULTS.get(self.task, {}).items(),
-                            *(TOOL_DEFAULTS.items() if self.tool else ()), *RECIPES[self.recipe].items(), ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
+                            *(TOOL_DEFAULTS.items() if self.tool else ()), *RECIPES[self.recipe].items(),
+                            ("kl_to_ref_coeff", 0.0), ("aggregation", "token-mean")):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self._check_advantage()
@@ -525,8 +527,8 @@ _HELP_GROUPS = {
 _GROUP_MEMBERS = {
     "run": ("iterations", "seed", "device", "resume", "overwrite", "allow_change", "time_limit"),
     "model": ("preset", "model", "token_map", "dtype", "reference_dtype", "grad_checkpointing", "lora_rank"),
-    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "chat_template", "tool", "max_turns", "max_turn_tokens",
-             "max_new_tokens", "eval_every", "eval_samples",
+    "task": ("task", "digits", "prompts", "reward", "eval_prompts", "chat_template", "tool", "max_turns",
+             "max_turn_tokens", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
     "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
             "aggregation", "early_stop_kl",

@@ -56,8 +56,8 @@ def check_launch(cfg: TrainConfig) -> None:
     torchrun without ``--ray-address``), an ``--out`` that is (or lies under) a file, ``--allow-change``
     without ``--resume``, a ``--model`` or text-task input that cannot be read
     (:func:`~ppo_objectives.train.text_job.check_inputs`), a new run in an ``--out`` that holds another run's
-    files (:data:`~ppo_objectives.train.checkpoints.RUN_FILES`) without ``--overwrite``, and for ``--resume``: no checkpoint in
-    ``--out``, flags that differ from the checkpoint's (:data:`~ppo_objectives.train.RESUME_MAY_CHANGE` lists those that
+    files (:data:`~ppo_objectives.train.checkpoints.RUN_FILES`) without ``--overwrite``, and for ``--resume``: no
+    checkpoint in ``--out``, flags that differ from the checkpoint's (:data:`~ppo_objectives.train.RESUME_MAY_CHANGE` lists those that
     may), input files (``--prompts``, ``--reward``, ``--eval-prompts``) whose sha256 differs from the
     checkpoint's, or nothing left to run. ``python -m ppo_objectives.train`` turns each into an
     ``error:`` line (exit 2).
@@ -126,10 +126,11 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
     left to run."""
     saved = read_run_config(out)
     if saved is None:
+        held = run_files(out)  # a run that died before its first checkpoint
+        overwrite = f" with --overwrite (it holds {', '.join(held)})" if held else ""
         raise FileNotFoundError(
             f"--resume: no checkpoint in {out} ({out / 'checkpoint.pt'} does not exist); drop --resume to start a new "
-            f"run there{' with --overwrite (it holds ' + ', '.join(run_files(out)) + ')' if run_files(out) else ''}, "
-            f"or give the --out of the run to continue"
+            f"run there{overwrite}, or give the --out of the run to continue"
         )
     allowed = {a.strip().replace("-", "_") for a in cfg.allow_change.split(",") if a.strip()}
     unknown = sorted(allowed - {f.name for f in fields(TrainConfig)})

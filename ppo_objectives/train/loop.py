@@ -68,7 +68,7 @@ from ppo_objectives.train.distributed import (
 from ppo_objectives.train.launch import check_launch
 from ppo_objectives.train.loggers import (METRICS, append_metrics, close_logger, columns, log_row, make_logger,
                                          read_metrics, warn_line)
-from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, most_conversations_cut, plot_metrics
 from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
 from ppo_objectives.train.text_job import EVAL_COLUMNS, EVAL_TURN_COLUMNS
 from ppo_objectives.train.update import ppo_update
@@ -133,18 +133,18 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
             n_tok = roll.pop("tokens")
             turns = {k: roll.pop(k) for k in ("turns", "turn_tokens")}  # columns of a multi-turn task
-            if cfg.multi_turn:  # the first cut, and every iteration where most conversations were cut, are said
-                turns["env_turns_cut"] = cut = run.env.env_turns_cut - cut_before
-                if cut and (not cut_before or 2 * cut > roll["episodes"]):
-                    warn_line(f"iteration {it + 1}: {cut} environment turns did not fit --max-new-tokens "
-                              f"{cfg.max_new_tokens} ({roll['episodes']:g} conversations); each ended its episode "
-                              f"there (truncated, scored as it stood): raise --max-new-tokens (env_turns_cut counts "
-                              f"them)", bar)
+            if cfg.multi_turn:
+                turns["env_turns_cut"] = run.env.env_turns_cut - cut_before
             else:
                 turns = {}
             row = dict(iteration=it + 1, **roll, **turns, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
                        reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
                        **stats)  # fmt: skip
+            # multi-turn: the first cut turn is said, and so is every iteration where most conversations were cut
+            if row.get("env_turns_cut") and (not cut_before or most_conversations_cut(row)):
+                warn_line(f"iteration {it + 1}: {row['env_turns_cut']} environment turns did not fit --max-new-tokens "
+                          f"{cfg.max_new_tokens} ({row['episodes']:g} conversations); each ended its episode there "
+                          f"(truncated, scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
             if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)
                 run.collector.update_policy_weights_()
             release_host_memory()  # plumbing: the freed host memory of the rollout and update, back to the system

@@ -62,11 +62,25 @@ from pathlib import Path
 
 from ppo_objectives import _validate
 
-__all__ = ["FLAGS", "CollapseGuard", "plot_metrics"]
+__all__ = ["FLAGS", "CollapseGuard", "most_conversations_cut", "plot_metrics"]
 
 #: The flags :class:`CollapseGuard` raises, in the order they are reported.
 FLAGS = ("min_len", "zero_reward", "entropy", "kl_spike", "stall")
 _BAD = ("min_len", "zero_reward", "entropy")  # the flags that make an iteration bad
+
+
+def most_conversations_cut(row: dict) -> bool:
+    """Whether the token budget cut most conversations of an iteration of a multi-turn task: its row's
+    ``env_turns_cut`` (environment turns that did not fit) exceeds half its ``episodes``. A row without those
+    columns (a single-turn task) is never cut.
+
+    Example:
+        >>> most_conversations_cut({"env_turns_cut": 24.0, "episodes": 42.0})
+        True
+        >>> most_conversations_cut({"env_turns_cut": 3.0, "episodes": 42.0}), most_conversations_cut({"episodes": 42.0})
+        (False, False)
+    """
+    return 2 * float(row.get("env_turns_cut", 0.0)) > float(row.get("episodes", math.inf))
 
 
 def _number(name: str, value, *, low: float = 0.0) -> float:
