@@ -69,6 +69,7 @@ __all__ = [
     "ResponseLogProbs",
     "ResponseValues",
     "SharedForward",
+    "attended_end",
     "frozen_reference",
     "lm_head_parameters",
     "make_actor_critic",
@@ -152,16 +153,18 @@ class SharedForward:
         return (input_ids._version, mask_version, versions, torch.is_grad_enabled(),
                 getattr(self.model, "autocast_dtype", None))
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool, end: int | None = None):
+        """The model's output on ``input_ids[:, :end]`` (every column when ``end`` is ``None``)."""
         kept, self._kept = self._kept, None
+        key = (*self._key(input_ids, attention_mask), end)
         if kept is not None:
-            ids, mask, key, out, _ = kept
-            if (ids is input_ids and mask is attention_mask and key == self._key(input_ids, attention_mask)
+            ids, mask, kept_key, out, _ = kept
+            if (ids is input_ids and mask is attention_mask and kept_key == key
                     and (out.logits is not None or not compute_logits)):
                 return out
-        out = self.model(input_ids, attention_mask, compute_logits=compute_logits)
+        out = self.model(input_ids[:, :end], _columns(attention_mask, end), compute_logits=compute_logits)
         token = object()  # names this forward; the hook must not reference ``out``
-        kept = (input_ids, attention_mask, self._key(input_ids, attention_mask), out, token)
+        kept = (input_ids, attention_mask, key, out, token)
         if out.hidden.requires_grad:  # a backward through it frees its graph: it can no longer be shared
             # The hook lives on the autograd graph, which the garbage collector cannot see through: a hook that held
             # ``out`` (or this object strongly) would keep a forward's graph, every activation saved for backward,
@@ -179,14 +182,46 @@ def _release(owner: weakref.ref, token: object) -> None:
         shared._kept = None
 
 
+def _columns(attention_mask: Tensor | None, end: int | None) -> Tensor | None:
+    return attention_mask if attention_mask is None or end is None else attention_mask[:, :end]
+
+
+def attended_end(attention_mask: Tensor | None, prompt_len: int) -> int | None:
+    """The columns a response-layout forward runs: ``[0, end)``, ``end`` one past the last column that some row
+    attends (at least one response column); ``None`` (every column) without a mask.
+
+    A causal model's output at a column does not depend on the columns after it, so cutting the columns that
+    every row pads changes no number that is read, and a batch of short responses in a wide budget (a
+    multi-turn task's 80 tokens, ``chat-calc``'s conversations of 5 to 49) pays for its tokens, not the
+    budget's. One host synchronisation.
+
+    Example:
+        >>> attended_end(torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]), prompt_len=2)
+        4
+    """
+    if attention_mask is None:
+        return None
+    attended = attention_mask[:, prompt_len:].bool().any(0)  # [R]
+    last = int((attended * torch.arange(1, attended.numel() + 1, device=attended.device)).max())
+    return prompt_len + max(last, 1)
+
+
+def _pad_response(x: Tensor, R: int) -> Tensor:
+    """``[B, R']`` -> ``[B, R]``: zeros after the columns a forward cut (:func:`attended_end`)."""
+    return x if x.shape[1] == R else torch.nn.functional.pad(x, (0, R - x.shape[1]))
+
+
 def _trunk(readout: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
-    """The read-out's model output: through its :class:`SharedForward` when it has one."""
+    """The read-out's model output on the attended columns (:func:`attended_end`): through its
+    :class:`SharedForward` when it has one."""
+    end = attended_end(attention_mask, readout.prompt_len)
     shared = getattr(readout, "shared_forward", None)
     if shared is not None and shared.model is readout.model:
-        return shared(input_ids, attention_mask, compute_logits=compute_logits)
+        return shared(input_ids, attention_mask, compute_logits=compute_logits, end=end)
+    ids, mask = input_ids[:, :end], _columns(attention_mask, end)
     if compute_logits:  # the plain call: any model with the LM interface
-        return readout.model(input_ids, attention_mask)
-    return readout.model(input_ids, attention_mask, compute_logits=False)
+        return readout.model(ids, mask)
+    return readout.model(ids, mask, compute_logits=False)
 
 
 def read_log_probs(
@@ -334,6 +369,9 @@ class ResponseLogProbs(nn.Module):
     - **logits** (``from_hidden=False``): the model's ``logits`` through
       :func:`read_log_probs`; positions after a response's end are garbage to be
       masked by the caller.
+
+    Both run the model on the columns up to the last one some row attends
+    (:func:`attended_end`) and read exactly 0 after it.
     - **hidden states** (``from_hidden=True``): the model runs with
       ``compute_logits=False`` and its ``hidden`` ``[B, P + R, C]`` are scored through
       the head of :func:`lm_head_parameters` by
@@ -396,27 +434,34 @@ class ResponseLogProbs(nn.Module):
                 f"from_hidden=False"
             )
         if head is not None:
-            return self._from_hidden(head, input_ids, attention_mask, starts, R)
-        logits = _trunk(self, input_ids, attention_mask, compute_logits=True).logits
-        with value_checks(False):  # the positions are in range by construction
-            return read_log_probs(
-                logits, input_ids, starts, R, return_entropy=self.return_entropy, entropy_grad=self.entropy_grad,
-                temperature=self.temperature,
-            )
+            out = self._from_hidden(head, input_ids, attention_mask, starts)
+        else:
+            logits = _trunk(self, input_ids, attention_mask, compute_logits=True).logits  # [B, P + R', V]
+            end = logits.shape[1]
+            with value_checks(False):  # the positions are in range by construction
+                out = read_log_probs(
+                    logits, input_ids[:, :end], starts, end - self.prompt_len, return_entropy=self.return_entropy,
+                    entropy_grad=self.entropy_grad, temperature=self.temperature,
+                )
+        if isinstance(out, tuple):
+            return tuple(_pad_response(x, R) for x in out)
+        return _pad_response(out, R)
 
-    def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor, R: int):
-        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R, C]
+    def _from_hidden(self, head: tuple, input_ids: Tensor, attention_mask: Tensor | None, starts: Tensor):
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R', C]
+        end = hidden.shape[1]
+        R = end - self.prompt_len
         autocast_dtype = getattr(self.model, "autocast_dtype", None)
         if autocast_dtype is not None and hidden.dtype != autocast_dtype:
             hidden = hidden.to(autocast_dtype)  # the head's precision under the model's autocast
         mask = None
         if attention_mask is not None:  # no projection after a response's end
-            mask = _validate.check_mask(attention_mask, input_ids.shape, "input_ids")[:, self.prompt_len :]
+            mask = _validate.check_mask(attention_mask, input_ids.shape, "input_ids")[:, self.prompt_len : end]
         weight, bias = head
         entropy = self.return_entropy
         with value_checks(False):  # positions and token ids were checked by construction and by the model
             out = response_log_probs_from_hidden(
-                hidden, weight, input_ids, starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy,
+                hidden, weight, input_ids[:, :end], starts, R, lm_head_bias=bias, mask=mask, return_entropy=entropy,
                 temperature=self.temperature,
             )
         if entropy and not self.entropy_grad:
@@ -426,7 +471,8 @@ class ResponseLogProbs(nn.Module):
 
 class ResponseValues(nn.Module):
     """Critic: ``values[b, j] = head(hidden[b, P - 1 + j])``, the value of the state
-    before response token ``j`` (MiniMind's critic convention), ``[B, R]`` float32.
+    before response token ``j`` (MiniMind's critic convention), ``[B, R]`` float32; 0 after the
+    last column some row attends (:func:`attended_end`: those columns are not run).
 
     The head is :func:`value_head` with ``init="zeros"``."""
 
@@ -439,9 +485,9 @@ class ResponseValues(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         _response_len(input_ids, self.prompt_len, "value", "ResponseValues")
-        T = input_ids.shape[1]
-        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, T, C]
-        return read_values(self.value_head, hidden[:, self.prompt_len - 1 : T - 1])  # [B, R]
+        R = input_ids.shape[1] - self.prompt_len
+        hidden = _trunk(self, input_ids, attention_mask, compute_logits=False).hidden  # [B, P + R', C]
+        return _pad_response(read_values(self.value_head, hidden[:, self.prompt_len - 1 : -1]), R)  # [B, R]
 
 
 class _ResponseReadout(TensorDictModule):
