@@ -43,6 +43,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
 
 from plain_pg_loop import plain_pg_step  # noqa: E402
+from sides import PLAIN_MICRO_BATCHES  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
@@ -172,10 +173,12 @@ def measure_row(args, row: str) -> dict:
                 phases[OTHER] = elapsed - sum(v for k, v in phases.items() if k != "host memory trim")
                 phases["iteration"] = elapsed
                 phases["response tokens"] = r["response_len"] * r["episodes"]
+                phases["answers"] = r["episodes"]
                 job_rows.append(phases)
-            step = plain_pg_step(plain, opt, run.task, gen)
+            step = plain_pg_step(plain, opt, run.task, gen, micro_batches=PLAIN_MICRO_BATCHES.get(args.task, 1))
             done = dict(generate=step["generate_s"], update=step["update_s"],
-                        iteration=step["generate_s"] + step["update_s"], **{"response tokens": step["response_tokens"]})
+                        iteration=step["generate_s"] + step["update_s"], answers=step["answers"],
+                        **{"response tokens": step["response_tokens"]})
             print(f"{row} iteration {it}: job {r['rollout_s'] + r['reference_s'] + r['update_s']:.1f} s, plain "
                   f"{done['iteration']:.1f} s" + (" (warm-up, not counted)" if it == 0 else ""), file=sys.stderr,
                   flush=True)
@@ -192,30 +195,46 @@ def _med(rows: list[dict], k: str) -> float:
 
 
 def phase_table(job_rows: list[dict], plain_rows: list[dict]) -> str:
-    keys = sorted({k for r in job_rows for k in r} - {"iteration", "response tokens"}, key=lambda k: -_med(job_rows, k))
+    keys = sorted({k for r in job_rows for k in r} - {"iteration", "response tokens", "answers"},
+                  key=lambda k: -_med(job_rows, k))
     job_it, plain_it = _med(job_rows, "iteration"), _med(plain_rows, "iteration")
     lines = ["| side | phase | s / iteration (median) | share of the side's iteration |", "|---|---|---|---|"]
     for k in keys:
         lines.append(f"| job | {k} | {_med(job_rows, k):.2f} | {_med(job_rows, k) / job_it:.0%} |")
-    lines.append(f"| job | **iteration** | **{job_it:.2f}** | {_med(job_rows, 'response tokens'):.0f} response "
-                 "tokens |")
+    lines.append(f"| job | **iteration** | **{job_it:.2f}** | {_med(job_rows, 'answers'):.0f} answers, "
+                 f"{_med(job_rows, 'response tokens'):.0f} response tokens |")
     for k in ("generate", "update"):
         lines.append(f"| plain | {k} | {_med(plain_rows, k):.2f} | {_med(plain_rows, k) / plain_it:.0%} |")
-    lines.append(f"| plain | **iteration** | **{plain_it:.2f}** | {_med(plain_rows, 'response tokens'):.0f} response "
-                 "tokens |")
+    lines.append(f"| plain | **iteration** | **{plain_it:.2f}** | {_med(plain_rows, 'answers'):.0f} answers, "
+                 f"{_med(plain_rows, 'response tokens'):.0f} response tokens |")
     return "\n".join(lines)
 
 
+def per_answer(rows: list[dict]) -> float | None:
+    """Median seconds per answer (completion or conversation) of a side's iterations; ``None`` for rows written
+    before the answers were counted."""
+    if not all("answers" in r for r in rows):
+        return None
+    return statistics.median(r["iteration"] / max(r["answers"], 1) for r in rows)
+
+
 def summary_table(results: list[dict]) -> str:
-    lines = ["| row | job flags | job s / iteration | plain s / iteration | job / plain | job reference forward s "
-             "| job update s | plain update s |", "|---|---|---|---|---|---|---|---|"]
+    """One line per row. A multi-turn job's batch holds the conversations its rows finish within their steps
+    (``chat-calc``: 64 to 84, two or three a row), the plain loop's always 32: "job / plain" compares iterations,
+    "per answer" the same work."""
+    lines = ["| row | job flags | job s / iteration | plain s / iteration | job / plain | answers job / plain | job / "
+             "plain per answer | job reference forward s | job update s | plain update s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         job, plain = res["job"], res["plain"]
         upd = sum(_med(job, k) for k in {k for r in job for k in r} if k.startswith("update"))
         ref = _med(job, REFERENCE) if any(REFERENCE in r for r in job) else 0.0
+        job_a, plain_a = per_answer(job), per_answer(plain)
+        answers = f"{_med(job, 'answers'):.0f} / {_med(plain, 'answers'):.0f}" if job_a and plain_a else "n/a"
+        ratio = f"**{job_a / plain_a:.2f}x**" if job_a and plain_a else "n/a"
         lines.append(f"| {res['row']} | `{' '.join(res['flags']) or '(the recipe)'}` | {_med(job, 'iteration'):.2f} | "
                      f"{_med(plain, 'iteration'):.2f} | **{_med(job, 'iteration') / _med(plain, 'iteration'):.2f}x** | "
-                     f"{ref:.2f} | {upd:.2f} | {_med(plain, 'update'):.2f} |")
+                     f"{answers} | {ratio} | {ref:.2f} | {upd:.2f} | {_med(plain, 'update'):.2f} |")
     return "\n".join(lines)
 
 
@@ -236,7 +255,7 @@ def row_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                    help="checkpoint directory (python -m ppo_objectives.pretrained --gguf smollm2 --out DIR)")
-    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2"))
+    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc", "chat-word"))
     p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=list(ROWS))
     p.add_argument("--one-row", help=argparse.SUPPRESS)
     return p

@@ -98,7 +98,8 @@ def plain_pg_loop(model_dir, task, *, seed: int, minutes: float, eval_minutes: f
 
 def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
                   group_size: int = 4, micro_batches: int = 1) -> dict:
-    """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens}``. One AdamW step on the
+    """One iteration of the loop: ``{reward, generate_s, update_s, response_tokens, answers}`` (``answers``: the
+    batch's completions or conversations). One AdamW step on the
     whole batch; ``micro_batches`` > 1 accumulates its gradient over that many slices of rows (the same
     gradient, a fraction of the activations' memory)."""
     check_int("micro_batches", micro_batches, where="plain_pg_step ", what=MICRO_BATCHES_WHAT)  # before generating
@@ -110,7 +111,7 @@ def plain_pg_step(model, opt, task, gen: torch.Generator, *, prompts_per_batch: 
     opt.step()
     t2 = time.perf_counter()
     return dict(reward=float(batch["reward"].mean()), generate_s=t1 - t0, update_s=t2 - t1,
-                response_tokens=int(batch["resp_mask"].sum()))
+                response_tokens=int(batch["resp_mask"].sum()), answers=int(batch["out"].shape[0]))
 
 
 def sample_group_batch(model, task, gen: torch.Generator, *, prompts_per_batch: int = 8,
