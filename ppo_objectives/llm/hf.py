@@ -51,6 +51,15 @@ def hf_decoder(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) and base is not model else model
 
 
+def _activation_checkpointing(model: nn.Module) -> bool:
+    """Whether Hugging Face's activation checkpointing is on (its property's name since transformers 5, then the
+    older one)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if isinstance(getattr(type(model), name, None), property):
+            return bool(getattr(model, name))
+    return False
+
+
 def hf_forward(
     module: nn.Module,
     input_ids: Tensor,
@@ -317,6 +326,13 @@ class HFCausalLMAdapter(nn.Module):
             valid=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
         )
 
+    @property
+    def supports_shared_prefix(self) -> bool:
+        """Whether ``forward(shared_prefix=k)`` runs the first ``k`` columns once for every row: a model with the
+        KV cache (:attr:`supports_kv_cache`), without Hugging Face's activation checkpointing (which drops a cache
+        in training mode)."""
+        return self.supports_kv_cache and not _activation_checkpointing(self.hf_model)
+
     def _compute_dtype(self) -> torch.dtype:
         check_autocast_dtype(self.autocast_dtype, "HFCausalLMAdapter")
         return self.lm_head.weight.dtype if self.autocast_dtype is None else self.autocast_dtype
@@ -330,10 +346,17 @@ class HFCausalLMAdapter(nn.Module):
         cache: KVCache | None = None,
         cache_slots: int | Tensor | None = None,
         compute_logits: bool = True,
+        shared_prefix: int = 0,
     ) -> LMOutput:
         """Logits ``[B, T, V]`` (float32) and hidden states ``[B, T, C]``; arguments as
         :meth:`TinyCausalLM.forward` (``input_ids`` / ``attention_mask`` / ``position_ids`` ``[B, T]``,
-        ``cache_slots`` an int start column or ``[B, T]``)."""
+        ``cache_slots`` an int start column or ``[B, T]``).
+
+        ``shared_prefix=k``: the first ``k`` columns hold the same tokens in every row, all attended (a
+        prompt's system message and worked example): the decoder runs them once, on one row, and every row's
+        other columns attend to those keys and values, with gradients flowing back through the one copy.
+        The numbers are the full forward's up to float rounding; the work of ``k * (B - 1)`` tokens is saved.
+        Needs :attr:`supports_shared_prefix`, no ``cache``."""
         check_autocast_dtype(self.autocast_dtype, "HFCausalLMAdapter")
         if _validate.checking_values() and input_ids.numel():  # the embedding's IndexError names nothing
             lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
@@ -346,14 +369,52 @@ class HFCausalLMAdapter(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if cache is not None:
+            if shared_prefix:
+                raise ValueError("HFCausalLMAdapter: shared_prefix runs the prefix once for a forward without a "
+                                 "cache; with cache= pass shared_prefix=0 (the cache already holds the prefix)")
             return self._cached_forward(input_ids, attention_mask.bool(), position_ids, cache, cache_slots,
                                         compute_logits)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
+        if shared_prefix:
+            self._check_shared_prefix(input_ids, attention_mask, shared_prefix)
+            return self._shared_prefix_forward(input_ids, attention_mask, position_ids, shared_prefix, compute_logits)
         with autocast_context(self.autocast_dtype, self.lm_head.weight.device):
             hidden = hf_forward(
                 hf_decoder(self.hf_model), input_ids, attention_mask, position_ids=position_ids, use_cache=False
             )
+            logits = self.lm_head(hidden).float() if compute_logits else None
+        return LMOutput(logits, hidden)
+
+    def _check_shared_prefix(self, input_ids: Tensor, attention_mask: Tensor, k: int) -> None:
+        T = input_ids.shape[1]
+        _validate.check_int("shared_prefix", k, low=0, what=" (columns every row shares)")
+        if k >= T:
+            raise ValueError(f"HFCausalLMAdapter: shared_prefix={k} leaves no column of the T={T} to run per row; "
+                             f"pass at most {T - 1}")
+        if not self.supports_shared_prefix:
+            why = _kv_cache_refusal(self.hf_model.config) or "activation checkpointing is on"
+            raise ValueError(f"HFCausalLMAdapter: shared_prefix={k} needs the KV cache, and this model has none "
+                             f"({why}); pass shared_prefix=0")
+        if _validate.checking_values():  # one host read
+            head = input_ids[:, :k]
+            if not bool((head == head[:1]).all() & attention_mask[:, :k].bool().all()):
+                raise ValueError(f"HFCausalLMAdapter: shared_prefix={k}, but the first {k} columns are not the same "
+                                 f"attended tokens in every row; find the prefix with "
+                                 f"llm.readouts.shared_prefix(input_ids, attention_mask, prompt_len)")
+
+    def _shared_prefix_forward(self, input_ids, attention_mask, position_ids, k: int, compute_logits: bool):
+        B = input_ids.shape[0]
+        decoder, mask = hf_decoder(self.hf_model), attention_mask.long()
+        with autocast_context(self.autocast_dtype, self.lm_head.weight.device):
+            head = decoder(input_ids=input_ids[:1, :k], attention_mask=mask[:1, :k], position_ids=position_ids[:1, :k],
+                           use_cache=True)
+            cache = head.past_key_values
+            for layer in cache.layers:  # every row attends to the one copy (views; the gradients sum into it)
+                layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
+            tail = decoder(input_ids=input_ids[:, k:], attention_mask=mask, position_ids=position_ids[:, k:],
+                           cache=cache, use_cache=True)
+            hidden = torch.cat([head.last_hidden_state.expand(B, -1, -1), tail.last_hidden_state], dim=1)
             logits = self.lm_head(hidden).float() if compute_logits else None
         return LMOutput(logits, hidden)
 

@@ -75,6 +75,7 @@ __all__ = [
     "make_actor_critic",
     "read_log_probs",
     "read_values",
+    "shared_prefix",
     "value_head",
 ]
 
@@ -153,8 +154,10 @@ class SharedForward:
         return (input_ids._version, mask_version, versions, torch.is_grad_enabled(),
                 getattr(self.model, "autocast_dtype", None))
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool, end: int | None = None):
-        """The model's output on ``input_ids[:, :end]`` (every column when ``end`` is ``None``)."""
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool, end: int | None = None,
+                 prompt_len: int = 0):
+        """The model's output on ``input_ids[:, :end]`` (every column when ``end`` is ``None``), run as
+        :func:`_run` runs it for prompts of width ``prompt_len``."""
         kept, self._kept = self._kept, None
         key = (*self._key(input_ids, attention_mask), end)
         if kept is not None:
@@ -162,7 +165,7 @@ class SharedForward:
             if (ids is input_ids and mask is attention_mask and kept_key == key
                     and (out.logits is not None or not compute_logits)):
                 return out
-        out = self.model(input_ids[:, :end], _columns(attention_mask, end), compute_logits=compute_logits)
+        out = _run(self.model, input_ids[:, :end], _columns(attention_mask, end), prompt_len, compute_logits)
         token = object()  # names this forward; the hook must not reference ``out``
         kept = (input_ids, attention_mask, key, out, token)
         if out.hidden.requires_grad:  # a backward through it frees its graph: it can no longer be shared
@@ -211,17 +214,65 @@ def _pad_response(x: Tensor, R: int) -> Tensor:
     return x if x.shape[1] == R else torch.nn.functional.pad(x, (0, R - x.shape[1]))
 
 
+def shared_prefix(input_ids: Tensor, attention_mask: Tensor | None, prompt_len: int) -> tuple[int, Tensor | None]:
+    """``(k, order)``: the longest run of tokens that every row's left-padded prompt starts with, and how to put
+    it in the first ``k`` columns of every row.
+
+    ``k`` stops one token short of the shortest prompt. ``order`` ``[B, T]`` (``None`` when no row is padded)
+    gathers each row's columns as: its first ``k`` prompt tokens, then its padding, then the rest, which stays
+    in its own columns; positions come from the mask, so a model that honours the mask computes the same
+    numbers for every column from ``P - 1`` on. ``(0, None)``: one row, no mask, no common token, or a prompt
+    that is not left-padded. Three host synchronisations.
+
+    Example:
+        >>> ids = torch.tensor([[0, 7, 8, 5, 1], [7, 8, 9, 6, 2]])     # row 0's prompt padded by one column
+        >>> am = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+        >>> k, order = shared_prefix(ids, am, prompt_len=4)
+        >>> k, ids.gather(1, order).tolist()                           # [7, 8] first; the response column stays
+        (2, [[7, 8, 0, 5, 1], [7, 8, 9, 6, 2]])
+    """
+    if attention_mask is None or input_ids.shape[0] < 2:
+        return 0, None
+    prompt = attention_mask[:, :prompt_len].bool()
+    pads = (~prompt).sum(1)  # [B]
+    cols = torch.arange(prompt_len, device=input_ids.device)
+    if not torch.equal(prompt, cols >= pads[:, None]):  # a prompt with a hole: not this layout
+        return 0, None
+    most_padding = int(pads.max())
+    shortest = prompt_len - most_padding
+    if shortest < 2:
+        return 0, None
+    tokens = input_ids.gather(1, pads[:, None] + cols[: shortest - 1])  # each row's prompt, from its first token
+    k = int((tokens == tokens[:1]).all(0).long().cumprod(0).sum())
+    if k == 0 or most_padding == 0:
+        return k, None
+    j = torch.arange(input_ids.shape[1], device=input_ids.device)
+    order = torch.where(j < k, pads[:, None] + j, torch.where(j < k + pads[:, None], j - k, j))
+    return k, order
+
+
+def _run(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, prompt_len: int, compute_logits: bool):
+    """``model``'s output for a response-layout batch: with the prompts' common prefix run once when the model
+    can (``supports_shared_prefix``, :func:`shared_prefix`), whose prompt columns are then in that order (the
+    read-outs read from column ``P - 1`` on, which is each row's own)."""
+    kwargs = {} if compute_logits else {"compute_logits": False}
+    if prompt_len and getattr(model, "supports_shared_prefix", False):
+        k, order = shared_prefix(input_ids, attention_mask, prompt_len)
+        if k:
+            if order is not None:
+                input_ids, attention_mask = input_ids.gather(1, order), attention_mask.gather(1, order)
+            kwargs["shared_prefix"] = k
+    return model(input_ids, attention_mask, **kwargs)  # the plain call: any model with the LM interface
+
+
 def _trunk(readout: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, *, compute_logits: bool):
-    """The read-out's model output on the attended columns (:func:`attended_end`): through its
-    :class:`SharedForward` when it has one."""
+    """The read-out's model output on the attended columns (:func:`attended_end`), the prompts' common prefix
+    run once (:func:`_run`): through its :class:`SharedForward` when it has one."""
     end = attended_end(attention_mask, readout.prompt_len)
     shared = getattr(readout, "shared_forward", None)
     if shared is not None and shared.model is readout.model:
-        return shared(input_ids, attention_mask, compute_logits=compute_logits, end=end)
-    ids, mask = input_ids[:, :end], _columns(attention_mask, end)
-    if compute_logits:  # the plain call: any model with the LM interface
-        return readout.model(ids, mask)
-    return readout.model(ids, mask, compute_logits=False)
+        return shared(input_ids, attention_mask, compute_logits=compute_logits, end=end, prompt_len=readout.prompt_len)
+    return _run(readout.model, input_ids[:, :end], _columns(attention_mask, end), readout.prompt_len, compute_logits)
 
 
 def read_log_probs(

@@ -35,7 +35,7 @@ class TokenMappedLM(nn.Module):
     """A causal LM of vocabulary ``V`` behind our LM interface in the task's ``V_task`` token ids.
 
     ``forward(input_ids [B, T] task ids, attention_mask [B, T] | None, *, position_ids=None,
-    cache=None, cache_slots=None, compute_logits=True) -> LMOutput(logits [B, T, V_task]
+    cache=None, cache_slots=None, compute_logits=True, shared_prefix=0) -> LMOutput(logits [B, T, V_task]
     float32 | None, hidden [B, T, C])``: the ids are mapped to the model's
     (``token_ids[input_ids]``), the model runs with ``compute_logits=False``, and the
     logits are ``hidden @ W[token_ids].T (+ b[token_ids])`` for the model's LM-head
@@ -133,10 +133,17 @@ class TokenMappedLM(nn.Module):
         """The restricted LM head, :meth:`task_logits` (a callable, not a submodule)."""
         return self.task_logits
 
+    @property
+    def supports_shared_prefix(self) -> bool:
+        """The wrapped model's (``forward(shared_prefix=k)`` passes through)."""
+        return bool(getattr(self.model, "supports_shared_prefix", False))
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, position_ids: Tensor | None = None,
-                cache=None, cache_slots=None, compute_logits: bool = True) -> LMOutput:
+                cache=None, cache_slots=None, compute_logits: bool = True, shared_prefix: int = 0) -> LMOutput:
         self._check_ids(input_ids)
         kwargs = {} if cache is None else dict(cache=cache, cache_slots=cache_slots)
+        if shared_prefix:
+            kwargs["shared_prefix"] = shared_prefix
         out = self.model(self.token_ids[input_ids], attention_mask, position_ids=position_ids, compute_logits=False,
                          **kwargs)
         return LMOutput(self.task_logits(out.hidden) if compute_logits else None, out.hidden)
