@@ -7,9 +7,12 @@ What it compares: the job (``python -m ppo_objectives.train --model DIR --task c
 mark is reset after iteration 1 (``/proc/self/clear_refs``), so the loading of the models and the
 held-out evaluations at the start and at the end, whose batched prefill of 64 prompts over the
 whole vocabulary outgrows an iteration, are not in it. Also printed: the resident size after the
-last of those iterations, and each row's ratio to the ``kl`` row (full fine-tuning, the recipe).
+last of those iterations, and each row's ratio to the ``kl`` row (full fine-tuning, the recipe). ``--plain`` adds
+the plain loop of ``plain_pg_loop.py`` (full fine-tuning, its model loaded as ``bench_real_lm_split.py`` loads it)
+under the same protocol.
 
     python benchmarks/bench_memory.py                    # the four rows, 4 iterations each (Linux only)
+    python benchmarks/bench_memory.py --task chat-calc --rows kl --plain    # the recipe against the plain loop
 """
 
 from __future__ import annotations
@@ -53,10 +56,34 @@ def one_row(args, row: str) -> dict:
     return dict(row=row, flags=ROWS[row], **marks)
 
 
+def plain_row(args) -> dict:
+    """The plain loop (``plain_pg_loop.plain_pg_step`` on the same model and training prompts, its gradient
+    accumulated on ``chat-word`` as in the study) under the same protocol: the mark reset after step 1, read after
+    step ``--iterations - 1``."""
+    import torch
+    from bench_real_lm_split import plain_model
+    from plain_pg_loop import build_tasks, plain_pg_step
+    from sides import PLAIN_MICRO_BATCHES
+
+    from ppo_objectives.train.pretrained import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    task, _, _ = build_tasks(args.task, load_tokenizer(args.model))
+    model, opt = plain_model(args.model, 0)
+    gen, marks = torch.Generator().manual_seed(0), {}
+    for it in range(1, args.iterations):
+        plain_pg_step(model, opt, task, gen, micro_batches=PLAIN_MICRO_BATCHES.get(args.task, 1))
+        if it == 1:
+            Path("/proc/self/clear_refs").write_text("5")
+    marks.update(peak_gib=_status_gib("VmHWM"), rss_gib=_status_gib("VmRSS"))
+    return dict(row="plain", flags=["plain_pg_loop.py"], **marks)
+
+
 def main(argv=None) -> int:
     p = row_parser(__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=4, help="iterations per row; the peak is over 2 .. N-1")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--plain", action="store_true", help="also the plain loop's peak, under the same protocol")
     args = p.parse_args(argv)
     if not Path("/proc/self/clear_refs").exists():
         p.error("this benchmark reads and resets the peak RSS through /proc (Linux only)")
@@ -66,10 +93,10 @@ def main(argv=None) -> int:
         p.error(f"--model {args.model} is not a checkpoint directory; write it with: python -m "
                 f"ppo_objectives.pretrained --gguf smollm2 --out {args.model}")
     if args.one_row:
-        print(json.dumps(one_row(args, args.one_row)))
+        print(json.dumps(plain_row(args) if args.one_row == "plain" else one_row(args, args.one_row)))
         return 0
     results = []
-    for row in args.rows:
+    for row in [*args.rows, *(["plain"] if args.plain else [])]:
         cmd = [sys.executable, __file__, "--one-row", row, "--model", str(args.model), "--task", args.task,
                "--iterations", str(args.iterations), "--threads", str(args.threads)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
