@@ -409,7 +409,7 @@ class HFCausalLMAdapter(nn.Module):
         with autocast_context(self.autocast_dtype, self.lm_head.weight.device):
             head = decoder(input_ids=input_ids[:1, :k], attention_mask=mask[:1, :k], position_ids=position_ids[:1, :k],
                            use_cache=True)
-            cache = head.past_key_values
+            cache = head.cache if "cache" in head.keys() else head.past_key_values  # transformers >= 5.x: ``cache``
             for layer in cache.layers:  # every row attends to the one copy (views; the gradients sum into it)
                 layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
             tail = decoder(input_ids=input_ids[:, k:], attention_mask=mask, position_ids=position_ids[:, k:],
