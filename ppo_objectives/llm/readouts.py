@@ -420,9 +420,6 @@ class ResponseLogProbs(nn.Module):
     - **logits** (``from_hidden=False``): the model's ``logits`` through
       :func:`read_log_probs`; positions after a response's end are garbage to be
       masked by the caller.
-
-    Both run the model on the columns up to the last one some row attends
-    (:func:`attended_end`) and read exactly 0 after it.
     - **hidden states** (``from_hidden=True``): the model runs with
       ``compute_logits=False`` and its ``hidden`` ``[B, P + R, C]`` are scored through
       the head of :func:`lm_head_parameters` by
@@ -435,6 +432,10 @@ class ResponseLogProbs(nn.Module):
       head and ``V >= FROM_HIDDEN_MIN_VOCAB`` (:data:`FROM_HIDDEN_MIN_VOCAB`), else logits
       (decided at construction; a call that finds the head no longer exposed, e.g.
       sharded, reads the logits).
+
+    Both run the model on the columns up to the last one some row attends
+    (:func:`attended_end`), read exactly 0 after it, and run the prompts' common
+    prefix once when the model can (:func:`shared_prefix`).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
