@@ -251,12 +251,20 @@ def shared_prefix(input_ids: Tensor, attention_mask: Tensor | None, prompt_len: 
     return k, order
 
 
+def _can_share_prefix(model: nn.Module) -> bool:
+    """Whether ``model``'s own class runs ``shared_prefix=k`` (``supports_shared_prefix``): a wrapper that forwards
+    attribute reads to the model it wraps (FSDP's) does not count, for it would call the decoder twice per
+    forward under its own hooks."""
+    return isinstance(getattr(type(model), "supports_shared_prefix", None), property) and bool(
+        model.supports_shared_prefix)
+
+
 def _run(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, prompt_len: int, compute_logits: bool):
     """``model``'s output for a response-layout batch: with the prompts' common prefix run once when the model
     can (``supports_shared_prefix``, :func:`shared_prefix`), whose prompt columns are then in that order (the
     read-outs read from column ``P - 1`` on, which is each row's own)."""
     kwargs = {} if compute_logits else {"compute_logits": False}
-    if prompt_len and getattr(model, "supports_shared_prefix", False):
+    if prompt_len and _can_share_prefix(model):
         k, order = shared_prefix(input_ids, attention_mask, prompt_len)
         if k:
             if order is not None:

@@ -117,3 +117,32 @@ def test_read_outs_run_the_common_prefix_once_and_read_the_full_forwards_numbers
     valid = td["mask"]
     for key in ("log_prob", "entropy", "state_value"):
         assert_matches_reference(shared[key][valid].detach(), full[key][valid].detach(), name=key)
+
+
+class _ForwardingWrapper(torch.nn.Module):
+    """Forwards attribute reads to the model it wraps, as FSDP's wrapper does."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_wrapper_that_forwards_attribute_reads_runs_every_column():
+    lm = _tiny_llama()
+    wrapped = _ForwardingWrapper(lm)
+    assert wrapped.supports_shared_prefix  # read through the wrapper, as FSDP's attribute forwarding gives it
+    ac = make_actor_critic(wrapped, prompt_len=P, shared_trunk=True)
+    widths = []
+    lm.hf_model.get_decoder().register_forward_hook(
+        lambda m, args, kwargs, out: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    ac.critic(ac.actor(_batch().copy()))
+    assert widths == [(3, P + R - 1)]  # one forward of every row: the wrapper's hooks see one call
