@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--summary-only", action="store_true", help="print the tables of the rows already written")
+    p.add_argument("--force", action="store_true", help="measure rows already written again, replacing them")
     args = p.parse_args(argv)
     if args.iterations < 1:
         p.error(f"--iterations must be >= 1, got {args.iterations}")
@@ -277,6 +278,10 @@ def main(argv=None) -> int:
             p.error(f"no results for {', '.join(missing)}; run without --summary-only first")
         report([json.loads(paths[row].read_text()) for row in args.rows])
         return 0
+    written = [str(path) for path in paths.values() if path.exists()]
+    if written and not (args.force or args.one_row):
+        p.error(f"{', '.join(written)} already written; --force measures again and replaces them, "
+                f"--summary-only prints them")
     if not (args.model / "config.json").is_file():
         p.error(f"--model {args.model} is not a checkpoint directory; write it with: python -m "
                 f"ppo_objectives.pretrained --gguf smollm2 --out {args.model}")

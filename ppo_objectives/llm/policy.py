@@ -23,7 +23,11 @@ before the newest token. Rows that fail (a fresh episode after a reset, new
 weights) are re-filled with one prefill forward. A row whose cache ends before
 its newest token (a multi-turn env appended its own turn) is **behind**: the
 missing columns alone are fed, in one windowed forward over the rows behind,
-never the whole conversation. Then every row advances by one token:
+never the whole conversation. A row being filled copies the keys and values of
+the leading context columns that repeat the last filled row's context (a shared
+system prompt or worked example: the same tokens at the same positions give the
+same keys and values) and computes only the rest; when every row resets at once,
+one is filled alone first and copied into the others. Then every row advances by one token:
 O(S) work per token instead of O(S^2). Finding the stale rows is one host
 sync per step (``.any()``); it is on the env path only, never in the loss.
 The cache is used only under ``torch.no_grad()`` (rollouts); with gradients
@@ -53,6 +57,7 @@ a log-prob of ``-inf``), so it is not offered.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from tensordict.nn import (
@@ -183,6 +188,16 @@ def _write_rows(cache: KVCache, rows: Tensor, sub: KVCache) -> None:
     cache.valid[rows] = sub.valid
 
 
+@dataclass
+class _Prefix:
+    """The context of one filled row, kept so that a row filled later whose context starts with the same tokens
+    copies these keys and values instead of computing them (a system prompt, a one-shot exchange)."""
+
+    tokens: Tensor  # [n] the row's context tokens at positions 0 .. n-1
+    k: Tensor  # [n, L, H, D]
+    v: Tensor
+
+
 def _head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     """``model.lm_head(hidden)`` in float32, under the model's ``autocast_dtype`` when it has one set
     (hidden states made under autocast need not match the head's parameter dtype)."""
@@ -225,6 +240,9 @@ class NextTokenLogits(nn.Module):
     #: Take the one-window path when its token count is at most this factor times the
     #: prefill + step path's (two forwards cost more per token on small batches).
     window_factor: float = 2.0
+    #: Copy the keys and values of context columns that repeat the last filled row's context (a shared system
+    #: prompt or one-shot exchange) instead of computing them; False computes every column.
+    copy_prefix: bool = True
 
     def __init__(self, model: nn.Module, *, use_kv_cache: bool = True, value_head: nn.Module | None = None,
                  temperature: float = 1.0):
@@ -252,12 +270,13 @@ class NextTokenLogits(nn.Module):
         self._cache_version = -1
         self._cache_autocast: torch.dtype | None = None
         self._params: list[Tensor] | None = None
+        self._prefix: _Prefix | None = None
 
     def __getstate__(self):  # never pickle the cache into collector workers
         state = self.__dict__.copy()
         state.update(
             _cache=None, _cache_len=None, _cache_tokens=None, _cache_mask=None, _cache_version=-1,
-            _cache_autocast=None, _params=None,
+            _cache_autocast=None, _params=None, _prefix=None,
         )
         return state
 
@@ -318,21 +337,87 @@ class NextTokenLogits(nn.Module):
             self._params = list(self.model.parameters())  # re-read on every rebuild
             self._cache_version = _param_version(self._params)
             self._cache_autocast = getattr(self.model, "autocast_dtype", None)
+            self._prefix = None  # made by the old weights
         return cache
 
-    def _prefill(self, cache: KVCache, tokens, attention_mask, pos_ids, stale: Tensor, last: Tensor) -> None:
-        """Re-fill the cache rows ``stale`` with their prefix up to (not including) the newest token."""
-        S = tokens.shape[1]
-        cols = torch.arange(S, device=tokens.device)
+    def _copyable(self, tokens: Tensor, attention_mask: Tensor, first: Tensor, last: Tensor, stale: Tensor) -> Tensor:
+        """``[N]``: how many leading context columns of each stale row (0 for the others) repeat the stored prefix,
+        so that :meth:`_prefill` copies them. With no stored prefix, the reference is the first stale row's context
+        (filled alone first, it becomes the prefix), whose own count is 0. The context of a row is its attended
+        columns from ``first`` (position 0) before its newest token ``last``."""
+        N, S = tokens.shape
+        ahead = torch.arange(S, device=tokens.device)
+        cols = first[:, None] + ahead  # [N, S]: the column of position j, while the context is contiguous
+        inside = cols < last[:, None]
+        cols = cols.clamp(max=S - 1)
+        tok, ok = tokens.gather(1, cols), inside & attention_mask.gather(1, cols)
+        if not self.copy_prefix:
+            return torch.zeros_like(first)
+        if self._prefix is not None:
+            n = self._prefix.tokens.numel()  # < S: it came from a buffer of this length
+            ref_tok = torch.zeros(S, dtype=tokens.dtype, device=tokens.device)
+            ref_tok[:n] = self._prefix.tokens
+            ref_ok = ahead < n
+        else:
+            r0 = stale.int().argmax()
+            ref_tok, ref_ok = tok[r0], ok[r0]
+        copied = (ok & ref_ok & (tok == ref_tok)).int().cumprod(-1).sum(-1)
+        if self._prefix is None:
+            stale = stale & (torch.arange(N, device=tokens.device) != r0)
+        return torch.where(stale, copied, 0)
+
+    def _prefill(self, cache: KVCache, tokens, attention_mask, pos_ids, stale: Tensor, last: Tensor, first: Tensor,
+                 copied: Tensor, any_copied: bool) -> None:
+        """Re-fill the cache rows ``stale`` with their context (every column before the newest token): the leading
+        columns that repeat the stored prefix (``copied``, from :meth:`_copyable`) are copied from it, the rest run
+        in one forward. With no stored prefix and rows to copy, the first stale row is filled alone first and its
+        context becomes the prefix; a fill where no row copied anything stores its last row's context instead."""
         rows = stale.nonzero().squeeze(-1)
-        width = max(1, int(last[rows].max()))  # columns [0, width) hold every stale row's prefix
-        sub = self.model.new_cache(rows.numel(), S, device=tokens.device)
-        prefix = attention_mask[rows, :width] & (cols[:width] < last[rows, None])
+        if self._prefix is None and any_copied:
+            self._fill(cache, tokens, attention_mask, pos_ids, rows[:1], last, first, copied)
+            self._keep_prefix(cache, tokens, attention_mask, rows[0], first, last)
+            rows = rows[1:]
+        self._fill(cache, tokens, attention_mask, pos_ids, rows, last, first, copied)
+        if not any_copied and self.copy_prefix:
+            self._keep_prefix(cache, tokens, attention_mask, rows[-1], first, last)
+
+    def _fill(self, cache: KVCache, tokens, attention_mask, pos_ids, rows: Tensor, last: Tensor, first: Tensor,
+              copied: Tensor) -> None:
+        """Fill the cache rows ``rows``: copy their ``copied`` leading context columns from the stored prefix, then
+        feed the rest in one forward windowed like :meth:`_catch_up` (the window ends before each row's newest
+        token; a row with less to feed recomputes some copied columns, identical values, or starts at column 0
+        with the columns past its context masked)."""
+        n, S = rows.numel(), tokens.shape[1]
+        end, start = last[rows], first[rows]
+        sub = self.model.new_cache(n, S, device=tokens.device)
+        if self._prefix is not None:
+            r, j = (torch.arange(self._prefix.tokens.numel(), device=tokens.device) < copied[rows, None]).nonzero(
+                as_tuple=True)  # fmt: skip
+            c = start[r] + j
+            sub.k[:, r, :, c] = self._prefix.k[j]  # [K, L, H, D]
+            sub.v[:, r, :, c] = self._prefix.v[j]
+            sub.valid[r, c] = True
+            start = start + copied[rows]
+        width = max(1, int((end - start).max()))
+        slots = (end - width).clamp(min=0)[:, None] + torch.arange(width, device=tokens.device)  # [n, width]
         self.model(
-            tokens[rows, :width], prefix, position_ids=pos_ids[rows, :width], cache=sub, cache_slots=0,
-            compute_logits=False,
-        )
+            tokens[rows].gather(1, slots), attention_mask[rows].gather(1, slots) & (slots < end[:, None]),
+            position_ids=pos_ids[rows].gather(1, slots), cache=sub, cache_slots=slots, compute_logits=False,
+        )  # fmt: skip
         _write_rows(cache, rows, sub)
+
+    def _keep_prefix(self, cache: KVCache, tokens: Tensor, attention_mask: Tensor, row: Tensor, first: Tensor,
+                     last: Tensor) -> None:
+        """Store row ``row``'s context (its contiguous attended columns from position 0, before its newest token),
+        whose keys and values ``cache`` now holds, as the prefix that later rows copy."""
+        f, e = torch.stack([first[row], last[row]]).tolist()
+        n = int(attention_mask[row, f:e].int().cumprod(0).sum())
+        cols = slice(f, f + n)
+        self._prefix = None if n == 0 else _Prefix(
+            tokens=tokens[row, cols].clone(),
+            k=cache.k[:, row, :, cols].permute(2, 0, 1, 3).clone(),
+            v=cache.v[:, row, :, cols].permute(2, 0, 1, 3).clone(),
+        )  # fmt: skip
 
     def _catch_up(self, cache: KVCache, tokens, attention_mask, pos_ids, behind: Tensor, last: Tensor) -> None:
         """Feed the rows ``behind`` the columns between their cache's end and their newest token (an environment
@@ -363,17 +448,22 @@ class NextTokenLogits(nn.Module):
         stale |= gap > last.min()  # wider than the narrowest row's window, or an empty cache: refill
         behind = ~stale & (gap > 0)
         pos_ids = position_ids_from_mask(attention_mask)  # [N, S]
+        first = attention_mask.int().argmax(-1)  # [N] the column of position 0
+        copied = self._copyable(tokens, attention_mask, first, last, stale)
+        fill = torch.where(stale, last - first - copied, 0).sum()  # the prefill's token count, copies aside
         # One host sync per step: are there stale or behind rows, and can one windowed forward serve all rows?
         # The common case (rows just reset, all at the same prompt end L0, every other row at or
         # beyond it): feed every row its last L0 + 1 columns; fresh rows fill their cache from
         # column 0, the others rewrite L0 cached columns with identical values. One forward, no prefill.
         l0 = torch.where(stale, last, -1).max()
         one_window = (torch.where(stale, last, l0) == l0).all() & (last >= l0).all()
-        n_stale, l0, one_window, n_behind = torch.stack([stale.sum(), l0, one_window.long(), behind.sum()]).tolist()
+        n_stale, l0, one_window, n_behind, fill, any_copied = torch.stack(
+            [stale.sum(), l0, one_window.long(), behind.sum(), fill, copied.max()]
+        ).tolist()
         if n_behind:
             self._catch_up(cache, tokens, attention_mask, pos_ids, behind, last)
-        # window: N (L0 + 1) tokens in one forward; prefill + step: n_stale L0 + N tokens in two
-        if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (n_stale * l0 + N):
+        # window: N (L0 + 1) tokens in one forward; prefill + step: the stale rows' uncopied context + N, in two
+        if n_stale and one_window and N * (l0 + 1) <= self.window_factor * (fill + N):
             slots = last[:, None] - l0 + torch.arange(l0 + 1, device=tokens.device)  # [N, L0 + 1]
             out = self.model(
                 tokens.gather(1, slots),
@@ -383,11 +473,13 @@ class NextTokenLogits(nn.Module):
                 cache_slots=slots,
                 compute_logits=False,
             )
+            if self._prefix is None and self.copy_prefix:
+                self._keep_prefix(cache, tokens, attention_mask, stale.int().argmax(), first, last)
             self._cache_len = position.clone()
             self._cache_tokens, self._cache_mask = tokens.clone(), attention_mask.clone()
             return self._outputs(out.hidden[:, -1])  # the head on the newest token only
         if n_stale:  # otherwise: prefill the stale rows up to their newest token, then step every row
-            self._prefill(cache, tokens, attention_mask, pos_ids, stale, last)
+            self._prefill(cache, tokens, attention_mask, pos_ids, stale, last, first, copied, any_copied > 0)
         x = tokens.gather(1, last[:, None])  # [N, 1]
         out = self.model(
             x,
