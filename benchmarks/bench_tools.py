@@ -39,6 +39,7 @@ from sides import (
     at_minutes,
     check_model,
     evaluated,
+    machine,
     run_pairs,
     run_side,
     runner_arguments,
@@ -58,17 +59,17 @@ SIDES = {
 MARKS = (0, 5, 10, 20)
 
 
-def row_path(spec: str) -> Path:
+def row_path(results: Path, spec: str) -> Path:
     side, _, seed = spec.partition(":")
-    return RESULTS / side / f"seed{seed}.json"
+    return results / side / f"seed{seed}.json"
 
 
 def one_run(model: Path, side: str, seed: int, minutes: float) -> dict:
-    return dict(side=side, seed=seed, minutes=minutes, **run_side(model, "chat-calc", side, seed, minutes, SIDES[side]))
+    return dict(side=side, seed=seed, minutes=minutes, machine=machine(), **run_side(model, "chat-calc", side, seed, minutes, SIDES[side]))
 
 
-def summary(plot: bool) -> None:
-    found = sorted(RESULTS.glob("*/seed*.json"))
+def summary(results: Path, plot: bool) -> None:
+    found = sorted(results.glob("*/seed*.json"))
     if not found:
         print("no rows yet: run the sides first")
         return
@@ -88,10 +89,10 @@ def summary(plot: bool) -> None:
         print(f"| {run['side']} | {run['seed']} | " + " | ".join(cells)
               + f" | {len(its)} | {secs:.1f} | {calls[-1] if calls else float('nan'):.3f} |")
     if plot:
-        _plot(runs)
+        _plot(runs, HERE.parent if results == RESULTS else results)
 
 
-def _plot(runs: list[dict]) -> None:
+def _plot(runs: list[dict], where: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,15 +109,16 @@ def _plot(runs: list[dict]) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE.parent / "tools.png", dpi=120)
-    print(f"plot: {HERE.parent / 'tools.png'}")
+    fig.savefig(where / "tools.png", dpi=120)
+    print(f"plot: {where / 'tools.png'}")
 
 
 def main(argv=None) -> int:
-    p = runner_arguments(__doc__, ["job:0", "job-cut:0", "job-grpo:0", "plain:0", "trl:0", "job:1", "job:2"], 20.0, "SIDE:SEED")
+    p = runner_arguments(__doc__, ["job:0", "job-cut:0", "job-grpo:0", "plain:0", "trl:0", "job:1", "job:2"], 20.0, "SIDE:SEED",
+                         RESULTS)
     args = p.parse_args(argv)
     if args.summary:
-        summary(not args.no_plot)
+        summary(args.results, not args.no_plot)
         return 0
     check_model(p, args.model)
     runs = []
@@ -127,11 +129,11 @@ def main(argv=None) -> int:
         runs.append((side, int(seed)))
     if args.one_run:
         side, seed = runs[0]
-        write_row(row_path(args.one_run), one_run(args.model, side, seed, args.minutes))
+        write_row(row_path(args.results, args.one_run), one_run(args.model, side, seed, args.minutes))
         return 0
-    if run_pairs(HERE, args.runs, row_path, args.model, args.minutes):
+    if run_pairs(HERE, args.runs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
         return 1
-    summary(not args.no_plot)
+    summary(args.results, not args.no_plot)
     return 0
 
 

@@ -206,19 +206,38 @@ def at_minutes(rows: list[dict], key: str, minute: float) -> float:
     return row[key] if evaluated(row, key) else float("nan")
 
 
-def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str):
+def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str, results: Path):
     """The command line of a learning benchmark: ``--model``, ``--runs`` (``spec`` names their form), ``--minutes``,
-    ``--summary``, ``--no-plot`` (and ``--one-run``, the pair runner's own)."""
+    ``--results`` (default ``results``), ``--summary``, ``--no-plot`` (and ``--one-run``, the pair runner's own)."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=Path("runs/smollm2-135m-instruct"))
     p.add_argument("--runs", nargs="+", default=default_runs, help=f"{spec} runs, two at a time in the order given")
     p.add_argument("--minutes", type=float, default=minutes, help="training minutes per run")
+    p.add_argument("--results", type=Path, default=results,
+                   help="directory of the rows; per-minute rows compare only within one machine, so give each "
+                        "machine its own")
     p.add_argument("--summary", action="store_true", help="print the tables of the rows written and draw the plots")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--one-run", help=argparse.SUPPRESS)
     return p
+
+
+def machine() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) and its core count, recorded in every row."""
+    import os
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def check_model(parser, model: Path) -> None:
@@ -228,18 +247,26 @@ def check_model(parser, model: Path) -> None:
                      f"smollm2 --out {model}")
 
 
-def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], model: Path, minutes: float) -> int:
+def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], model: Path, minutes: float,
+              results: Path) -> int:
     """Run ``script --one-run SPEC`` for each spec whose row is not written yet, two processes at a time (one torch
-    thread each, so both see the same load), in the order given; 1 when a run failed."""
+    thread each, pinned to cores 0 and 1 where the machine has them, so both see the same load), in the order
+    given; 1 when a run failed."""
+    import os
+
     todo = [s for s in specs if not row_path(s).exists()]
     for s in specs:
         if s not in todo:
             print(f"{s}: written already, skipped", file=sys.stderr)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     for i in range(0, len(todo), 2):
         pair = todo[i:i + 2]
         print(f"running {' and '.join(pair)} ({minutes:g} training minutes each, evaluations on top)", file=sys.stderr)
-        procs = [subprocess.Popen([sys.executable, str(script), "--one-run", s, "--model", str(model), "--minutes",
-                                   str(minutes)]) for s in pair]
+        procs = [subprocess.Popen(
+            [sys.executable, str(script), "--one-run", s, "--model", str(model), "--minutes", str(minutes),
+             "--results", str(results)],
+            preexec_fn=(lambda c=cores[k]: os.sched_setaffinity(0, {c})) if len(cores) >= 2 else None,
+        ) for k, s in enumerate(pair)]  # fmt: skip
         if any(proc.wait() for proc in procs):
             print("error: a run failed (its output is above)", file=sys.stderr)
             return 1

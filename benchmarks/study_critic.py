@@ -16,9 +16,11 @@ and ``chat-word`` (two-step word problems with factors up to 6, after one worked
 with their working, 64 tokens).
 
 Training time is each side's own clock (generation, scoring, updates; evaluations excluded). Each
-run is a process of its own with one torch thread; run two at a time (``--runs`` in pairs) so that
-both see the same load. Each finished run's row is written at once to
-``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the rows already there.
+run is a process of its own with one torch thread, pinned to a core of its own; run two at a time
+(``--runs`` in pairs) so that both see the same load. Each finished run's row (with the machine's
+CPU) is written at once to ``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the
+rows already there. Minutes compare only within one machine: on another, give ``--results DIR`` and
+run every side that the comparison needs there.
 
 ``--summary`` prints, per task: held-out accuracy (greedy / sampled) at 0, 5, 10 and 15 minutes,
 median over seeds, each with the median training minute it was measured at (a side evaluates after
@@ -46,6 +48,7 @@ from sides import (
     at_minutes,
     check_model,
     evaluated,
+    machine,
     mark_evaluation,
     run_pairs,
     run_side,
@@ -62,19 +65,20 @@ MARKS = (0, 5, 10, 15)
 MINUTES = 15.0
 
 
-def row_path(spec: str) -> Path:
+def row_path(results: Path, spec: str) -> Path:
     task, side, seed = spec.split(":")
-    return RESULTS / task / side / f"seed{seed}.json"
+    return results / task / side / f"seed{seed}.json"
 
 
 def one_run(model: Path, task: str, side: str, seed: int, minutes: float) -> dict:
-    return dict(task=task, side=side, seed=seed, minutes=minutes, **run_side(model, task, side, seed, minutes, SIDES[side]))
+    return dict(task=task, side=side, seed=seed, minutes=minutes, machine=machine(),
+                **run_side(model, task, side, seed, minutes, SIDES[side]))
 
 
-def load_runs() -> dict[str, dict[str, list[dict]]]:
-    """``{task: {side: [run, ...]}}`` of the rows written so far."""
+def load_runs(results: Path | None = None) -> dict[str, dict[str, list[dict]]]:
+    """``{task: {side: [run, ...]}}`` of the rows written so far under ``results`` (default: the study's)."""
     runs: dict[str, dict[str, list[dict]]] = {}
-    for path in sorted(RESULTS.glob("*/*/seed*.json")):
+    for path in sorted((RESULTS if results is None else results).glob("*/*/seed*.json")):
         run = json.loads(path.read_text())
         runs.setdefault(run["task"], {}).setdefault(run["side"], []).append(run)
     return runs
@@ -116,8 +120,8 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summary(plot: bool) -> None:
-    runs = load_runs()
+def summary(results: Path, plot: bool) -> None:
+    runs = load_runs(results)
     if not runs:
         print("no rows yet: run the sides first")
         return
@@ -155,10 +159,10 @@ def summary(plot: bool) -> None:
             for side in (s for s in done if s != "ppo" and done[s]):
                 print(difference_line(side, [r["rows"] for r in done["ppo"]], [r["rows"] for r in done[side]]))
         if plot:
-            _plot(task, done)
+            _plot(task, done, HERE.parent if results == RESULTS else results)
 
 
-def _plot(task: str, sides: dict[str, list[dict]]) -> None:
+def _plot(task: str, sides: dict[str, list[dict]], where: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,16 +188,17 @@ def _plot(task: str, sides: dict[str, list[dict]]) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{task} on SmolLM2-135M-Instruct, 200 held-out problems, one line per seed")
     fig.tight_layout()
-    path = HERE.parent / f"critic_{task}.png"
+    path = where / f"critic_{task}.png"
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
 
 
 def main(argv=None) -> int:
-    p = runner_arguments(__doc__, [f"{t}:{s}:{k}" for t in TASKS for k in (0, 1, 2) for s in SIDES], MINUTES, "TASK:SIDE:SEED")
+    p = runner_arguments(__doc__, [f"{t}:{s}:{k}" for t in TASKS for k in (0, 1, 2) for s in SIDES], MINUTES, "TASK:SIDE:SEED",
+                         RESULTS)
     args = p.parse_args(argv)
     if args.summary:
-        summary(not args.no_plot)
+        summary(args.results, not args.no_plot)
         return 0
     check_model(p, args.model)
     runs = []
@@ -205,11 +210,11 @@ def main(argv=None) -> int:
         runs.append((task, side, int(seed)))
     if args.one_run:
         task, side, seed = runs[0]
-        write_row(row_path(args.one_run), one_run(args.model, task, side, seed, args.minutes))
+        write_row(row_path(args.results, args.one_run), one_run(args.model, task, side, seed, args.minutes))
         return 0
-    if run_pairs(HERE, args.runs, row_path, args.model, args.minutes):
+    if run_pairs(HERE, args.runs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
         return 1
-    summary(not args.no_plot)
+    summary(args.results, not args.no_plot)
     return 0
 
 

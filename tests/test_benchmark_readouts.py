@@ -1,6 +1,7 @@
 """The read-outs of the learning benchmarks (``benchmarks/sides.py``, ``benchmarks/study_critic.py``) on rows written by
 hand: which evaluation counts at a mark, when a run reaches a level, and the interval of a difference over seeds."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -105,3 +106,29 @@ def test_the_sweep_against_study_reads_every_seed_and_names_a_variant_without_ro
     out = capsys.readouterr().out
     assert "- `--lr 3e-5` (2 against 2 seeds): 5 min +0.100 [+0.100, +0.100]" in out
     assert f"- `--lr 1e-5`: no rows under {tmp_path / 'sweep' / 'chat-add2'}/seed*/lr_1e-5/" in out
+
+
+def test_the_pair_runner_passes_the_results_directory_pins_each_run_and_skips_written_rows(tmp_path, capsys):
+    import os
+
+    from sides import run_pairs
+
+    script = tmp_path / "fake_side.py"
+    script.write_text(
+        "import argparse, json, os\n"
+        "from pathlib import Path\n"
+        "p = argparse.ArgumentParser()\n"
+        "for a in ('--one-run', '--model', '--minutes', '--results'):\n"
+        "    p.add_argument(a)\n"
+        "args = p.parse_args()\n"
+        "Path(args.results, args.one_run + '.json').write_text(json.dumps(sorted(os.sched_getaffinity(0))))\n"
+    )
+    results = tmp_path / "rows"
+    results.mkdir()
+    row = lambda spec: results / f"{spec}.json"  # noqa: E731
+    assert run_pairs(script, ["a", "b"], row, tmp_path, 1.0, results) == 0
+    cores = [json.loads(row(s).read_text()) for s in ("a", "b")]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len(cores[0]) == len(cores[1]) == 1 and cores[0] != cores[1]  # one core each, not the same one
+    assert run_pairs(script, ["a", "b"], row, tmp_path, 1.0, results) == 0
+    assert capsys.readouterr().err.count("written already, skipped") == 2
