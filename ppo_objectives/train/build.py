@@ -20,6 +20,7 @@ from tensordict.nn import TensorDictModule
 from ppo_objectives.llm.env import TokenLMEnv
 from ppo_objectives.llm.lora import AdaptersOff, add_lora
 from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
+from ppo_objectives.llm.critic_trunk import freeze_critic_trunk
 from ppo_objectives.llm.readouts import ActorCritic, frozen_reference, make_actor_critic
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.train import text_job
@@ -347,6 +348,8 @@ def _networks(cfg: TrainConfig, d: Dist, task, lm: torch.nn.Module, P: int, devi
     critic_lm = None if cfg.shared_trunk else _loaded_copy(cfg, task, lm, device)  # None: a deepcopy of lm
     ac = make_actor_critic(lm, P, shared_trunk=cfg.shared_trunk, critic_model=critic_lm,
                            entropy_grad=cfg.entropy_coeff > 0, temperature=cfg.temperature)  # policy and actor at T
+    if not ac.shared_trunk:
+        freeze_critic_trunk(ac.critic_model, cfg.critic_train)  # --critic-train: what of its own trunk trains
     ref = _reference(cfg, task, ac, P, device)
     if cfg.fsdp:
         actor, critic, ddp_wrappers = shard_fsdp(ac, d, device)

@@ -17,6 +17,7 @@ import inspect
 from dataclasses import dataclass, fields
 
 from ppo_objectives import _validate
+from ppo_objectives.llm.critic_trunk import parse_critic_train
 from ppo_objectives.loss import TokenPPOLoss
 from ppo_objectives.value.gae import MaskedGAE
 
@@ -193,6 +194,10 @@ class TrainConfig:
     critic_lr: float = _rf("critic_lr", "critic AdamW learning rate")
     critic_warmup: int = _rf("critic_warmup", "iterations that train the critic only (the actor stays as it is) "
                                               "before the PPO updates start")
+    critic_steps: int = _f(1, "critic passes per policy pass: the first steps the critic beside the policy, each "
+                              "other is a pass of critic-only steps over the same minibatches (SAO: 2)")
+    critic_train: str = _f("all", "what of the critic's own trunk (--no-shared-trunk) trains: all, no-attention (its "
+                                  "attention frozen, as SAO), or top:N (its top N decoder layers and final norm)")
     ppo_epochs: int = _rf("ppo_epochs", "passes over each rollout")
     minibatches: int = _rf("minibatches", "minibatches per pass")
     clip_epsilon: float = _f(_default(TokenPPOLoss, "clip_epsilon"), "PPO ratio clip")
@@ -341,9 +346,17 @@ class TrainConfig:
             raise ValueError(f"--num-envs {self.num_envs} is not a multiple of --group-size {self.group_size}: each "
                              f"prompt goes to {self.group_size} rows")
         _validate.check_aggregation(self.aggregation)
+        _validate.check_int("critic_steps", self.critic_steps, low=1, where="TrainConfig ")
+        parse_critic_train(self.critic_train)
+        if self.critic_train != "all" and self.shared_trunk and not self.critic_free:
+            raise ValueError(f"--critic-train {self.critic_train} freezes part of the critic's own trunk, but the "
+                             "critic reads the actor's trunk (its own parameters are the value head alone); add "
+                             "--no-shared-trunk")
         if self.critic_free:
             given = [f"--{n.replace('_', '-')}" for n in ("policy_lmbda", "length_alpha") if getattr(self, n) is not None]
             given += ["--critic-warmup"] if self.critic_warmup else []
+            given += ["--critic-steps"] if self.critic_steps != 1 else []
+            given += ["--critic-train"] if self.critic_train != "all" else []
             if given:
                 raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
                                  f"(its advantages come from the group's / batch's scores); drop them or use --advantage gae")
@@ -534,7 +547,8 @@ _GROUP_MEMBERS = {
             "aggregation", "early_stop_kl",
             "rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
-    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "clip_value", "critic_coeff",
+    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "critic_steps",
+               "critic_train", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "holes", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
     "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads"),

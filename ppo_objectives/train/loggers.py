@@ -29,7 +29,7 @@ METRICS = (
     "iteration", "reward", "exact", "response_len", "episodes", "kl_ref", "seq_kl", "kl_reward_coeff",
     "loss_objective", "loss_critic", "loss_kl_ref", "loss_entropy", "entropy", "kl_approx", "kl_approx_max",
     "kl_token_max", "clip_fraction", "max_ratio", "ESS", "value_clip_fraction", "explained_variance", "updates",
-    "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
+    "critic_updates", "early_stopped", "rolled_back", "step_fraction", "skipped_steps", "grad_norm", "rollout_s", "reference_s",
     "update_s", "tokens_per_s",
     *(f"warn_{f}" for f in FLAGS), "collapse",
 )  # fmt: skip
@@ -39,12 +39,17 @@ METRICS = (
 TURN_COLUMNS = ("turns", "turn_tokens", "env_turns_cut", *EVAL_TURN_COLUMNS)
 
 
+#: The column ``--critic-steps`` above 1 adds: the value loss of the last critic-only pass.
+CRITIC_STEP_COLUMNS = ("loss_critic_after",)
+
+
 def columns(cfg: TrainConfig) -> tuple[str, ...]:
-    """The columns of ``metrics.csv``: :data:`METRICS`, plus the held-out evaluation's for text tasks, plus
-    :data:`TURN_COLUMNS` for multi-turn tasks."""
+    """The columns of ``metrics.csv``: :data:`METRICS`, plus :data:`CRITIC_STEP_COLUMNS` with ``--critic-steps``
+    above 1, plus the held-out evaluation's for text tasks, plus :data:`TURN_COLUMNS` for multi-turn tasks."""
+    base = (*METRICS, *(CRITIC_STEP_COLUMNS if cfg.critic_steps > 1 else ()))
     if cfg.recipe != "pretrained":
-        return METRICS
-    return (*METRICS, *EVAL_COLUMNS, *(TURN_COLUMNS if cfg.multi_turn else ()))
+        return base
+    return (*base, *EVAL_COLUMNS, *(TURN_COLUMNS if cfg.multi_turn else ()))
 
 
 

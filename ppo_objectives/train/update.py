@@ -52,23 +52,40 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     ``critic_only`` (the ``--critic-warmup`` iterations): the same minibatch steps on ``loss_critic``
     alone, stepping the critic's optimizer only; the actor's parameters do not move (a shared
     trunk included), so there is no trust region to hold.
+
+    ``cfg.critic_steps`` ``K > 1``: after the policy's passes, ``K - 1`` more passes of critic-only
+    steps over the same batch (fresh minibatch orders), so the critic takes ``K`` steps for each of
+    the policy's; ``critic_updates`` counts the critic's steps and ``loss_critic_after`` is the
+    value loss of the last pass (the other numbers are the policy pass's).
     """
-    B = llm.batch_size[0]
+    n_minibatches = minibatch_count(llm.batch_size[0], cfg, llm.device, process_group)
     u = TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group, critic_only=critic_only)
-    n_minibatches = minibatch_count(B, cfg, llm.device, process_group)
+    mb = _passes(u, llm, n_minibatches, generator)
+    if u.rollback and u.steps and not u.stopped:  # the policy after the last step: one more forward
+        u.check_last_step(mb)
+    stats = u.stats(llm.device)
+    critic_steps = u.steps
+    for _ in range(cfg.critic_steps - 1 if n_minibatches else 0):  # --critic-steps: critic-only passes
+        c = TrustRegionUpdate(loss_module, ac, optimizers, cfg, process_group, critic_only=True)
+        _passes(c, llm, n_minibatches, generator)
+        critic_steps += c.steps
+        stats["loss_critic_after"] = c.stats(llm.device)["loss_critic"]
+    stats["critic_updates"] = critic_steps if loss_module._has_critic else 0
+    return stats
+
+
+def _passes(u: TrustRegionUpdate, llm: TensorDictBase, n_minibatches: int, generator: torch.Generator):
+    """``ppo_epochs`` passes of ``n_minibatches`` steps of ``u`` over ``llm``, until its trust region stops it;
+    returns the last minibatch (``None`` when there was none)."""
     mb = None
-    for epoch in range(cfg.ppo_epochs if n_minibatches else 0):
-        perm = torch.randperm(B, generator=generator).to(llm.device)
+    for epoch in range(u.cfg.ppo_epochs if n_minibatches else 0):
+        perm = torch.randperm(llm.batch_size[0], generator=generator).to(llm.device)
         for j, idx in enumerate(torch.tensor_split(perm, n_minibatches)):
             mb = llm[idx]
             u.minibatch(mb, epoch, j)
             if u.stopped:  # this minibatch's step is not taken, nor any later one; the crossing one is pulled back
-                break
-        if u.stopped:
-            break
-    if u.rollback and u.steps and not u.stopped:  # the policy after the last step: one more forward
-        u.check_last_step(mb)
-    return u.stats(llm.device)
+                return mb
+    return mb
 
 
 def minibatch_count(rows: int, cfg: TrainConfig, device: torch.device, process_group) -> int:
