@@ -72,6 +72,7 @@ __all__ = [
     "resolve_done_flags",
     "response_logp_positions",
     "rollout_correction_weights",
+    "turn_gae",
     "value_checks",
 ]
 
@@ -920,6 +921,73 @@ def masked_gae(
 # --------------------------------------------------------------------------- #
 # Loss aggregation
 # --------------------------------------------------------------------------- #
+
+
+def turn_gae(
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lmbda: float,
+    *,
+    average_gae: bool = True,
+    process_group=None,
+) -> tuple[Tensor, Tensor]:
+    """GAE over the assistant's turns instead of its tokens (turn-level PPO, Li et al. 2025, "Turn-PPO",
+    arXiv:2512.17008).
+
+    A row's turns are its runs of valid tokens; the holes between them are the environment's
+    tokens (a tool's reply). Turn ``k`` is one step of the turn-level MDP: its reward ``R_k`` is
+    the sum of its tokens' rewards (the KL penalties and, on the last turn, the score), its value
+    ``V_k`` the value at its first token (the state the turn is taken in)::
+
+        delta_k = R_k + gamma * V_{k+1} - V_k          (V after the last turn: 0)
+        A_k     = delta_k + gamma * lmbda * A_{k+1}
+
+    Every token of turn ``k`` gets ``A_k`` (whitened over the valid tokens with ``average_gae``,
+    as :func:`masked_gae` does) and the value target ``A_k + V_k`` (raw), so the critic learns
+    each turn's return at every token of it and is read at each turn's first token. Rewards and
+    values at masked positions are never read. A single-turn row is one step: ``A = R - V_0``,
+    a learned baseline per response.
+
+    Args:
+        token_rewards, values: ``[*B, R]`` float.
+        mask: ``[*B, R]`` bool or {0, 1}: the assistant's tokens.
+        gamma, lmbda: in [0, 1], per turn.
+        average_gae: whiten the advantages over the valid tokens (returns use the raw ones).
+        process_group: whiten over the valid tokens of every rank.
+
+    Returns:
+        ``(advantages, returns)``, both ``[*B, R]`` in the dtype of ``values``, 0 at masked positions.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 0.0, 9.0, 0.0, 1.0]])   # turn 1: tokens 0-1, tool reply at 2, turn 2: 3-4
+        >>> v = torch.tensor([[0.2, 0.7, 9.0, 0.4, 0.9]])
+        >>> m = torch.tensor([[1, 1, 0, 1, 1]])
+        >>> adv, ret = turn_gae(r, v, m, gamma=1.0, lmbda=1.0, average_gae=False)
+        >>> adv                                              # 1 - V_0 = 0.8 on turn 1, 1 - V_1 = 0.6 on turn 2
+        tensor([[0.8000, 0.8000, 0.0000, 0.6000, 0.6000]])
+        >>> ret
+        tensor([[1., 1., 0., 1., 1.]])
+    """
+    if mask is None:
+        raise ValueError("turn_gae needs mask: a row's turns are its runs of valid tokens")
+    out_dtype = values.dtype if isinstance(values, Tensor) else None
+    r, v, m, gamma, lmbda, _, _, _, _ = _gae_inputs(token_rewards, values, mask, gamma, lmbda, None)
+    start = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)  # [N, R] each turn's first token
+    turn = start.long().cumsum(-1) - 1  # the turn index of each valid token (-1 before the first)
+    n_turns = (turn.max(-1).values + 1) if turn.numel() else turn.new_zeros(turn.shape[0])
+    K_ = max(int(n_turns.max()) if n_turns.numel() else 0, 1)
+    idx = turn.clamp(min=0)
+    zero = r.new_zeros(())
+    turn_r = r.new_zeros(r.shape[0], K_).scatter_add_(1, idx, torch.where(m, r, zero))
+    turn_v = v.new_zeros(v.shape[0], K_).scatter_add_(1, idx, torch.where(start, v, zero))  # one start per turn
+    turn_m = torch.arange(K_, device=m.device) < n_turns[:, None]
+    turn_a, _ = masked_gae(turn_r, turn_v, turn_m, gamma, lmbda, average_gae=False)
+    adv = torch.where(m, turn_a.gather(1, idx), zero)
+    base = torch.where(m, turn_v.gather(1, idx), zero)
+    return _gae_finish(adv, base, m, average_gae, token_rewards.shape, out_dtype, process_group)
 
 
 def loss_normalizer(mask: Tensor, aggregation: str = "token-mean", *, process_group=None) -> Tensor:

@@ -211,7 +211,8 @@ def _advantage_estimator(cfg: TrainConfig, device: torch.device, process_group):
     """``--advantage``: ``MaskedGAE`` (whitened over the valid tokens of every rank's batch), or a critic-free one."""
     if cfg.advantage == "gae":
         return MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, policy_lmbda=cfg.policy_lmbda, length_alpha=cfg.length_alpha,
-                         average_gae=cfg.average_gae, holes=cfg.holes, device=device, process_group=process_group)
+                         average_gae=cfg.average_gae, holes=cfg.holes, level=cfg.gae_level, device=device,
+                         process_group=process_group)
     if cfg.advantage == "reinforce++":
         return ReinforcePlusPlus(gamma=cfg.gamma, whiten=cfg.average_gae, device=device, process_group=process_group)
     group = GroupAdvantage(cfg.advantage, device=device)

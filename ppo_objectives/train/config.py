@@ -218,6 +218,10 @@ class TrainConfig:
                                                   "reward reaches every turn) or cut the trajectory at each (TorchRL's "
                                                   "semantics: a turn bootstraps from the value after the reply)",
                     choices=("skip", "cut"))
+    gae_level: str = _f(_default(MaskedGAE, "level"), "GAE's step: token (one per generated token) or turn (one per "
+                                                      "assistant turn, Turn-PPO: the turn's summed reward, the value at "
+                                                      "its first token; single-turn tasks: a learned baseline per "
+                                                      "response)", choices=("token", "turn"))
     policy_lmbda: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lmbda", type_=float)
     length_alpha: float = _f(None, "length-adaptive GAE (VAPO): the advantages' lambda per response, "
                                    "1 - 1 / (alpha * length); unset: off", type_=float)
@@ -352,11 +356,15 @@ class TrainConfig:
             raise ValueError(f"--critic-train {self.critic_train} freezes part of the critic's own trunk, but the "
                              "critic reads the actor's trunk (its own parameters are the value head alone); add "
                              "--no-shared-trunk")
+        if self.gae_level == "turn" and (self.holes == "cut" or self.length_alpha is not None):
+            raise ValueError("--gae-level turn runs GAE over the assistant's turns with one lambda: drop --holes cut "
+                             "and --length-alpha (--policy-lmbda applies per turn)")
         if self.critic_free:
             given = [f"--{n.replace('_', '-')}" for n in ("policy_lmbda", "length_alpha") if getattr(self, n) is not None]
             given += ["--critic-warmup"] if self.critic_warmup else []
             given += ["--critic-steps"] if self.critic_steps != 1 else []
             given += ["--critic-train"] if self.critic_train != "all" else []
+            given += ["--gae-level"] if self.gae_level != "token" else []
             if given:
                 raise ValueError(f"{', '.join(given)} configure the critic, but --advantage {self.advantage} has none "
                                  f"(its advantages come from the group's / batch's scores); drop them or use --advantage gae")
@@ -549,7 +557,7 @@ _GROUP_MEMBERS = {
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "critic_steps",
                "critic_train", "clip_value", "critic_coeff",
-               "gamma", "lmbda", "average_gae", "holes", "policy_lmbda", "length_alpha"),
+               "gamma", "lmbda", "average_gae", "holes", "gae_level", "policy_lmbda", "length_alpha"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
     "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads"),
 }

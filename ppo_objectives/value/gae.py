@@ -34,6 +34,7 @@ __all__ = ["MaskedGAE"]
 
 #: ``MaskedGAE(holes=...)``: skip the invalid steps inside a row (ours), or cut the trajectory there (TorchRL's).
 HOLES = ("skip", "cut")
+LEVELS = ("token", "turn")
 
 
 class MaskedGAE(ValueEstimatorBase):
@@ -129,6 +130,13 @@ class MaskedGAE(ValueEstimatorBase):
     (:func:`~ppo_objectives.functional.length_adaptive_lmbda`). Either one runs GAE twice (the
     target with ``lmbda``, the advantage with the policy's lambda); the response form only.
 
+    **Turn-level GAE** (``level="turn"``; Turn-PPO, arXiv:2512.17008). Each run of valid steps
+    of a row (an assistant turn between the environment's holes) is one step of the recursion:
+    its reward the sum of its tokens', its value the value at its first token; each token of
+    the turn gets the turn's advantage and value target
+    (:func:`~ppo_objectives.functional.turn_gae`). ``policy_lmbda`` applies (per turn); the
+    response form only.
+
     Args:
         gamma: discount in [0, 1]. Default 1.0 (MiniMind's, and token-level PPO's for LLMs;
             TorchRL's GAE has no default).
@@ -165,6 +173,8 @@ class MaskedGAE(ValueEstimatorBase):
             ``("next", "state_value")`` (0 where ``terminated``), and the advantages are
             standardised with the unbiased std, ``(A - mean) / max(std, 1e-4)``; the numbers
             of ``torchrl.objectives.value.GAE`` with ``set_keys(valid=...)``.
+        level: ``"token"`` (default): a step per valid token. ``"turn"``: a step per run of
+            valid tokens, an assistant turn (:func:`~ppo_objectives.functional.turn_gae`).
 
     Differences from :class:`torchrl.objectives.value.GAE`: masked steps are
     skipped rather than computed on; inside a trajectory the next value is the
@@ -268,6 +278,7 @@ class MaskedGAE(ValueEstimatorBase):
         device: torch.device | None = None,
         process_group=None,
         holes: str = "skip",
+        level: str = "token",
     ):
         super().__init__(
             value_network=value_network, differentiable=differentiable, skip_existing=skip_existing, device=device
@@ -294,6 +305,13 @@ class MaskedGAE(ValueEstimatorBase):
             raise ValueError("MaskedGAE: holes='cut' (TorchRL's semantics) takes one lambda: drop policy_lmbda / "
                              "length_alpha, or use holes='skip'")
         self.holes = holes
+        if level not in LEVELS:
+            raise ValueError(f"MaskedGAE: level={level!r} is not one of {LEVELS} (token: a step per token; turn: a "
+                             f"step per assistant turn)")
+        if level == "turn" and (holes == "cut" or length_alpha is not None):
+            raise ValueError("MaskedGAE: level='turn' runs over the turns between the holes with one lambda per "
+                             "batch: drop holes='cut' / length_alpha")
+        self.level = level
 
     @property
     def in_keys(self):
@@ -416,6 +434,8 @@ class MaskedGAE(ValueEstimatorBase):
         """``(advantage, value_target)``: one GAE with ``lmbda``, or the target with ``lmbda`` and the advantage with
         the policy's lambda (``policy_lmbda``, or per row from ``length_alpha``)."""
         kw = dict(process_group=self.process_group, **ends)
+        if self.level == "turn":
+            return self._turn_gae(r, v, m, ends)
         if self.policy_lmbda is None and self.length_alpha is None:
             return F.masked_gae(r, v, m, self.gamma, self.lmbda, average_gae=self.average_gae, **kw)
         if ends:
@@ -430,6 +450,20 @@ class MaskedGAE(ValueEstimatorBase):
         else:
             lmbda = self.policy_lmbda
         adv, _ = F.masked_gae(r, v, m, self.gamma, lmbda, average_gae=self.average_gae, **kw)
+        return adv, target
+
+    def _turn_gae(self, r: Tensor, v: Tensor, m: Tensor | None, ends: dict) -> tuple[Tensor, Tensor]:
+        """``level="turn"``: the target with ``lmbda``, the advantage with ``policy_lmbda`` (when given), per turn."""
+        if ends:
+            raise ValueError("MaskedGAE: level='turn' takes the response form (one response per row, no done flags); "
+                             "this batch has done flags (the collector form): convert it to the response layout")
+        if m is None:
+            m = torch.ones(r.shape, dtype=torch.bool, device=r.device)
+        adv, target = F.turn_gae(r, v, m, self.gamma, self.lmbda, average_gae=self.average_gae,
+                                 process_group=self.process_group)  # fmt: skip
+        if self.policy_lmbda is not None:
+            adv, _ = F.turn_gae(r, v, m, self.gamma, self.policy_lmbda, average_gae=self.average_gae,
+                                process_group=self.process_group)  # fmt: skip
         return adv, target
 
     def _gae_cut(self, tensordict, next_params, r, v, m: Tensor, ends: dict, shape) -> tuple[Tensor, Tensor]:

@@ -150,3 +150,26 @@ def test_the_command_line_refuses_critic_train_on_a_shared_trunk(cli_error, tmp_
 
     err = cli_error([*SHORT, "--shared-trunk", "--critic-train", "no-attention", "--out", str(tmp_path)])
     assert "--critic-train no-attention freezes part of the critic's own trunk" in err
+
+
+# ----------------------------------------------------------------------------- --gae-level
+
+
+def test_the_job_runs_turn_level_gae(tmp_path):
+    import csv
+
+    from _flags import SHORT
+
+    T.main([*SHORT, "--iterations", "1", "--gae-level", "turn", "--out", str(tmp_path)])
+    with (tmp_path / "metrics.csv").open() as f:
+        row = next(csv.DictReader(f))
+    assert float(row["loss_critic"]) >= 0 and int(float(row["updates"])) > 0
+
+
+def test_turn_level_gae_refuses_a_cut_at_holes_a_length_lambda_and_a_critic_free_advantage():
+    with pytest.raises(ValueError, match="--gae-level turn runs GAE over the assistant's turns with one lambda"):
+        T.TrainConfig(preset="pico", gae_level="turn", holes="cut")
+    with pytest.raises(ValueError, match="--gae-level turn runs GAE over the assistant's turns with one lambda"):
+        T.TrainConfig(preset="pico", gae_level="turn", length_alpha=0.5)
+    with pytest.raises(ValueError, match="--gae-level configure the critic, but --advantage rloo has none"):
+        T.TrainConfig(preset="pico", gae_level="turn", advantage="rloo")
