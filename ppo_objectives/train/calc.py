@@ -86,9 +86,10 @@ def calc_tool(messages: list[dict], **fields) -> str | None:
     return CALC_ERROR if _ANY_CALL.search(text) else None
 
 
-def tool_calls_well_formed(messages: list[dict], prompt_messages: int = len(ONE_SHOT) + 1) -> bool:
+def tool_calls_well_formed(messages: list[dict], prompt_messages: int = len(ONE_SHOT) + 1, *,
+                           call: re.Pattern = _CALL) -> bool:
     """Whether the model's turns (after the prompt's first ``prompt_messages`` messages) made at least one call and
-    every call they made was well-formed.
+    every call they made was well-formed (matched ``call``, the tool's pattern; a call is any ``calc(``).
 
     Example:
         >>> chat = [*ONE_SHOT, {"role": "user", "content": "What is 57 times 18?"}]
@@ -99,4 +100,4 @@ def tool_calls_well_formed(messages: list[dict], prompt_messages: int = len(ONE_
     """
     turns = [m["content"] for m in messages[prompt_messages:] if m["role"] == "assistant"]
     calls = [t for t in turns if _ANY_CALL.search(t)]
-    return bool(calls) and all(_CALL.search(t) for t in calls)
+    return bool(calls) and all(call.search(t) for t in calls)

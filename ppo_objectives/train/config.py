@@ -79,7 +79,9 @@ ADVANTAGE_DEFAULTS: dict[str, dict] = {
 #: tasks (pretrained recipe): the built-in arithmetic family (:data:`~ppo_objectives.train.text.ARITHMETIC_TASKS`)
 #: and the user's JSONL file (``--prompts``).
 DIGIT_TASKS = ("reverse", "copy", "add")
-TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "chat-word", "jsonl")
+TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "chat-calc-sum", "chat-word", "jsonl")
+#: The built-in text tasks with a tool (the environment's turn).
+MULTI_TURN_TASKS = ("chat-calc", "chat-calc-sum")
 
 #: The multi-turn budgets of ``chat-calc`` (a call, the tool's result, the answer; one retry after a malformed call),
 #: for the flags left unset. ``--max-new-tokens`` is the whole conversation's budget: three turns of 16 tokens and two
@@ -88,6 +90,9 @@ TEXT_TASKS = ("chat-add1", "chat-add2", "chat-calc", "chat-word", "jsonl")
 #: ``chat-word`` answers with their working: 64 tokens, four times chat-add2's 16.
 TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16,
                                                     minibatches=4),
+                                 # three calls and the answer: four turns of up to 16 tokens, three tool replies
+                                 "chat-calc-sum": dict(max_new_tokens=128, max_turns=5, max_turn_tokens=16,
+                                                       minibatches=4),
                                  "chat-word": dict(max_new_tokens=64)}
 
 #: The budgets of ``--task jsonl --tool`` (the user's own tool) for the flags left unset: a tool round trip and a
@@ -129,7 +134,8 @@ class TrainConfig:
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
                               "two-digit addition as chat questions (needs --model with a tokenizer); chat-calc: "
-                              "two-digit multiplication with a calc(a*b) tool, multi-turn; chat-word: two-step word problems answered with "
+                              "two-digit multiplication with a calc(a*b) tool, multi-turn; chat-calc-sum: a * b + c * d with "
+                              "three calls of a calc tool, multi-turn; chat-word: two-step word problems answered with "
                               "their working (64 tokens); jsonl: your prompts "
                               "(--prompts, --reward, --eval-prompts, --tool)", choices=TASKS)
     digits: int = _f(3, "digits per operand of the toy task")
@@ -144,9 +150,9 @@ class TrainConfig:
                        "**fields) after each assistant turn; it returns the next message (a str) or None to end the "
                        "episode. Makes the task multi-turn: its messages are holes in the response")
     max_turns: int = _f(None, "multi-turn tasks: the assistant's turns per episode (0: as many as --max-new-tokens "
-                              "allows) [default: chat-calc 3, --tool 0]")
+                              "allows) [default: chat-calc 3, chat-calc-sum 5, --tool 0]")
     max_turn_tokens: int = _f(None, "multi-turn tasks: tokens per assistant turn (0: --max-new-tokens) [default: "
-                                    "chat-calc 16, --tool 0]")
+                                    "chat-calc and chat-calc-sum 16, --tool 0]")
     max_new_tokens: int = _rf("max_new_tokens", "text tasks: response budget M (the toy task's is its answer length)")
     eval_every: int = _rf("eval_every", "text tasks: held-out greedy and sampled accuracy every N iterations (and at "
                                         "the start and the end; 0: start and end only)")
@@ -443,15 +449,15 @@ class TrainConfig:
 
     @property
     def multi_turn(self) -> bool:
-        """The task has an environment's turn: ``chat-calc``, or ``--task jsonl --tool``."""
-        return self.task == "chat-calc" or bool(self.tool)
+        """The task has an environment's turn: ``chat-calc``, ``chat-calc-sum``, or ``--task jsonl --tool``."""
+        return self.task in MULTI_TURN_TASKS or bool(self.tool)
 
     def _check_turns(self) -> None:
         """``--tool`` belongs to ``--task jsonl``; ``--max-turns``, ``--max-turn-tokens`` and ``--holes`` to a multi-turn
         task (a toy digit task or a single-turn text task refuses them)."""
         if self.tool and self.task != "jsonl":
             raise ValueError(f"--tool adds the environment's turn to your own prompts (--task jsonl), but --task is "
-                             f"{self.task}" + (", which has its own calc tool" if self.task == "chat-calc" else
+                             f"{self.task}" + (", which has its own calc tool" if self.task in MULTI_TURN_TASKS else
                                                ", a single-turn task") + "; use --task jsonl or drop --tool")
         given = [(f, v) for f, v in (("--max-turns", self.max_turns), ("--max-turn-tokens", self.max_turn_tokens))
                  if v is not None]
@@ -478,7 +484,7 @@ class TrainConfig:
             raise ValueError(f"--no-chat-template is for text tasks' prompts, and --task {self.task} is a toy digit "
                              f"task (no chat template is used); drop --no-chat-template")
         if self.multi_turn:
-            raise ValueError(f"--no-chat-template with {'--tool' if self.tool else '--task chat-calc'}: the "
+            raise ValueError(f"--no-chat-template with {'--tool' if self.tool else '--task ' + self.task}: the "
                              f"environment's turns are rendered by the chat template between the model's turns; use "
                              f"a tokenizer with a chat template (a tiny one: python -m ppo_objectives.pretrained "
                              f"--chat --out DIR) or a single-turn task")

@@ -1,6 +1,6 @@
 """What the training job adds for text tasks on a pretrained checkpoint (internal to ``train``).
 
-The tasks from the flags (``--task chat-add1 | chat-add2 | chat-calc | chat-word | jsonl``, ``--tool``), the held-out
+The tasks from the flags (``--task chat-add1 | chat-add2 | chat-calc | chat-calc-sum | chat-word | jsonl``, ``--tool``), the held-out
 evaluation every ``--eval-every`` iterations with its samples log, and the export
 of the trained actor as a Hugging Face directory. ``ppo_objectives/train/``
 calls these; the text tasks themselves are :mod:`ppo_objectives.train.text`.
@@ -18,6 +18,7 @@ import torch
 
 from ppo_objectives.llm.lora import merged_hf_model
 from ppo_objectives.train.calc import calc_examples, calc_tool, tool_calls_well_formed
+from ppo_objectives.train.calc_sum import calc_sum_calls_well_formed, calc_sum_examples, calc_sum_tool
 from ppo_objectives.train.pretrained import (
     CONVERTER,
     check_checkpoint_dir,
@@ -46,8 +47,9 @@ SAMPLES_SHOWN = 6
 #: The evaluation columns a text run adds to ``metrics.csv`` (nan on iterations without an evaluation).
 EVAL_COLUMNS = ("eval_greedy", "eval_sampled", "eval_s")
 
-#: The evaluation columns of a multi-turn run: the greedy conversations' assistant turns, and (``chat-calc``) the
-#: fraction of them whose tool calls were all well-formed, at least one (nan for a ``--tool`` of your own).
+#: The evaluation columns of a multi-turn run: the greedy conversations' assistant turns, and (``chat-calc``,
+#: ``chat-calc-sum``) the fraction of them whose tool calls were all well-formed, at least one (nan for a ``--tool`` of
+#: your own).
 EVAL_TURN_COLUMNS = ("eval_turns", "eval_tool_calls")
 
 
@@ -105,6 +107,9 @@ def _text_inputs(cfg) -> tuple[list, object, list | None, object]:
     elif cfg.task == "chat-calc":
         train, reward, tool = calc_examples("train"), number_reward, calc_tool
         held_out = calc_examples("eval")
+    elif cfg.task == "chat-calc-sum":
+        train, reward, tool = calc_sum_examples("train"), number_reward, calc_sum_tool
+        held_out = calc_sum_examples("eval")
     elif cfg.task == "chat-word":
         train, reward, held_out = word_examples("train"), final_number_reward, word_examples("eval")
     else:
@@ -193,7 +198,7 @@ class HeldOutEvaluation:
 
     def __init__(self, task: TextTask | None, cfg, out: Path, main: bool):
         self.task, self.samples, self.main = task, cfg.eval_samples, main
-        self.well_formed = tool_calls_well_formed if cfg.task == "chat-calc" else None
+        self.well_formed = {"chat-calc": tool_calls_well_formed, "chat-calc-sum": calc_sum_calls_well_formed}.get(cfg.task)
         self.temperature = cfg.temperature
         self.path = out / "samples.txt"
         self.generator = torch.Generator().manual_seed(cfg.seed + EVAL_SEED_OFFSET)

@@ -38,7 +38,7 @@ def _task(tok, examples=None, reward=number_reward, M=6):
 def test_the_jobs_text_tasks_are_the_built_in_ones_and_jsonl():
     from ppo_objectives.train.config import TEXT_TASKS  # the --task choices; config imports no task module
 
-    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "chat-calc", "chat-word", "jsonl")
+    assert TEXT_TASKS == (*ARITHMETIC_TASKS, "chat-calc", "chat-calc-sum", "chat-word", "jsonl")
 
 
 def test_chat_word_split_is_disjoint_seeded_and_its_answers_follow_the_stories():

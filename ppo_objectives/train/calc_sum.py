@@ -1,0 +1,122 @@
+"""``--task chat-calc-sum``: the sum of two products with a calculator tool, three calls per problem.
+
+A multi-turn text task where the credit has turns to cross: the answer needs two products looked
+up and then their sum, so a conversation is three tool calls and the answer, and a wrong first
+call spoils what follows. Every prompt starts with one worked exchange (:data:`ONE_SHOT`), then
+the user asks the problem::
+
+    user:      What is 12 times 34 plus 56 times 17?
+    assistant: calc(12*34)
+    user:      calc result: 408
+    assistant: calc(56*17)
+    user:      calc result: 952
+    assistant: calc(408+952)
+    user:      calc result: 1360
+    assistant: The answer is 1360.
+    user:      What is 23 times 45 plus 67 times 18?
+
+:func:`calc_sum_tool` is the environment's turn: a well-formed call ``calc(a*b)`` or ``calc(a+b)``
+(two whole numbers) gets ``"calc result: N"``, a malformed one an error message that shows the
+forms, and a turn without a call ends the episode (it is the answer). The reward is
+:func:`~ppo_objectives.train.text.number_reward` of the last assistant message against
+``a * b + c * d``. Results are computed from the numbers the regular expression read, never by
+evaluating the model's text.
+
+The problems are quadruples of two-digit numbers drawn by a seeded generator (the worked
+example's excluded, no quadruple twice): 200 held-out, 20,000 for training.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ppo_objectives.train.calc import tool_calls_well_formed
+from ppo_objectives.train.text import TextExample
+
+__all__ = ["CALC_SUM_HELD_OUT", "ONE_SHOT", "calc_sum_examples", "calc_sum_tool", "calc_sum_calls_well_formed"]
+
+#: Held-out problems of ``chat-calc-sum``.
+CALC_SUM_HELD_OUT = 200
+#: Training problems of ``chat-calc-sum`` (drawn after the held-out ones).
+CALC_SUM_TRAIN = 20_000
+
+#: The worked exchange at the start of every prompt.
+ONE_SHOT = (
+    {"role": "user", "content": "What is 12 times 34 plus 56 times 17?"},
+    {"role": "assistant", "content": "calc(12*34)"},
+    {"role": "user", "content": "calc result: 408"},
+    {"role": "assistant", "content": "calc(56*17)"},
+    {"role": "user", "content": "calc result: 952"},
+    {"role": "assistant", "content": "calc(408+952)"},
+    {"role": "user", "content": "calc result: 1360"},
+    {"role": "assistant", "content": "The answer is 1360."},
+)
+
+_CALL = re.compile(r"calc\(\s*(\d{1,12})\s*([*x×+])\s*(\d{1,12})\s*\)")
+_ANY_CALL = re.compile(r"calc\s*\(")  # any attempt at a call: a malformed one gets the error
+
+#: The reply to a call the tool cannot read.
+CALC_SUM_ERROR = "calc error: write calc(a*b) or calc(a+b) with two whole numbers"
+
+
+def calc_sum_examples(split: str, *, split_seed: int = 0) -> list[TextExample]:
+    """The ``chat-calc-sum`` problems of ``split`` (``"train"`` or ``"eval"``), with
+    ``fields = {"answer": a * b + c * d}``.
+
+    Example:
+        >>> held_out = calc_sum_examples("eval")
+        >>> len(held_out), len(calc_sum_examples("train"))
+        (200, 20000)
+        >>> held_out[0].prompt[-1]["content"], held_out[0].fields
+        ('What is 54 times 19 plus 93 times 70?', {'answer': 7536})
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"calc_sum_examples split={split!r} must be 'train' or 'eval'")
+    g = torch.Generator().manual_seed(split_seed)
+    seen, problems = {(12, 34, 56, 17)}, []
+    while len(problems) < CALC_SUM_HELD_OUT + CALC_SUM_TRAIN:  # one draw: 90^4 quadruples, repeats are rare
+        for q in map(tuple, torch.randint(10, 100, (CALC_SUM_HELD_OUT + CALC_SUM_TRAIN, 4), generator=g).tolist()):
+            if q not in seen and len(problems) < CALC_SUM_HELD_OUT + CALC_SUM_TRAIN:
+                seen.add(q)
+                problems.append(q)
+    chosen = range(CALC_SUM_HELD_OUT) if split == "eval" else range(CALC_SUM_HELD_OUT, len(problems))
+    return [TextExample((*ONE_SHOT, {"role": "user", "content": f"What is {a} times {b} plus {c} times {d}?"}),
+                        {"answer": a * b + c * d}, f"chat-calc-sum #{i}")
+            for i in chosen for a, b, c, d in [problems[i]]]  # fmt: skip
+
+
+def calc_sum_tool(messages: list[dict], **fields) -> str | None:
+    """The environment's turn of ``chat-calc-sum``: the result of the last assistant message's call (a product or a
+    sum), an error message for a call it cannot read, or ``None`` (the episode ends) when the message makes no call.
+
+    Example:
+        >>> calc_sum_tool([{"role": "assistant", "content": "calc(57*18)"}])
+        'calc result: 1026'
+        >>> calc_sum_tool([{"role": "assistant", "content": "calc(1026 + 40)"}])
+        'calc result: 1066'
+        >>> calc_sum_tool([{"role": "assistant", "content": "calc(57-18)"}])
+        'calc error: write calc(a*b) or calc(a+b) with two whole numbers'
+        >>> calc_sum_tool([{"role": "assistant", "content": "The answer is 1066."}]) is None
+        True
+    """
+    text = messages[-1]["content"]
+    found = _CALL.search(text)
+    if found:
+        a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
+        return f"calc result: {a + b if op == '+' else a * b}"
+    return CALC_SUM_ERROR if _ANY_CALL.search(text) else None
+
+
+def calc_sum_calls_well_formed(messages: list[dict]) -> bool:
+    """:func:`~ppo_objectives.train.calc.tool_calls_well_formed` with this task's worked exchange and call forms.
+
+    Example:
+        >>> chat = [*ONE_SHOT, {"role": "user", "content": "What is 57 times 18 plus 10 times 10?"}]
+        >>> calc_sum_calls_well_formed(chat + [{"role": "assistant", "content": "calc(57*18)"}])
+        True
+        >>> calc_sum_calls_well_formed(chat + [{"role": "assistant", "content": "calc(57 times 18)"}])
+        False
+    """
+    return tool_calls_well_formed(messages, len(ONE_SHOT) + 1, call=_CALL)
