@@ -255,7 +255,7 @@ def row_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                    help="checkpoint directory (python -m ppo_objectives.pretrained --gguf smollm2 --out DIR)")
-    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc", "chat-word"))
+    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc", "chat-calc-sum", "chat-word"))
     p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=list(ROWS))
     p.add_argument("--one-row", help=argparse.SUPPRESS)
     return p

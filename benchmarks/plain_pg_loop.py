@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone, no install
 
 from ppo_objectives.train.calc import calc_examples, calc_tool, tool_calls_well_formed
+from ppo_objectives.train.calc_sum import calc_sum_calls_well_formed, calc_sum_examples, calc_sum_tool
 from ppo_objectives.train.config import TASK_DEFAULTS
 from ppo_objectives.train.text_job import EVAL_SEED_OFFSET
 from ppo_objectives.llm.hf import HFCausalLMAdapter
@@ -47,6 +48,10 @@ from ppo_objectives.train.word import final_number_reward, word_examples
 from ppo_objectives._validate import check_int
 
 MICRO_BATCHES_WHAT = " (1: the whole batch in one backward)"
+
+#: The multi-turn tasks: ``(examples of a split, the tool, the held-out check of the calls)``.
+TOOL_TASKS = {"chat-calc": (calc_examples, calc_tool, tool_calls_well_formed),
+              "chat-calc-sum": (calc_sum_examples, calc_sum_tool, calc_sum_calls_well_formed)}
 
 
 def held_out_evaluator(task: TextTask, seed: int, samples: int = 1, well_formed=None):
@@ -217,12 +222,13 @@ def pg_loss(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:
 
 def build_tasks(name: str, tokenizer) -> tuple[TextTask, TextTask, object]:
     """The training and held-out ``TextTask`` of ``name`` with the job's budgets, and the tool-call check
-    (``chat-calc``; ``None`` for the single-turn tasks)."""
-    if name == "chat-calc":
+    (``chat-calc``, ``chat-calc-sum``; ``None`` for the single-turn tasks)."""
+    if name in TOOL_TASKS:
+        examples, tool, well_formed = TOOL_TASKS[name]
         turns = {k: TASK_DEFAULTS[name][k] for k in ("max_new_tokens", "max_turns", "max_turn_tokens")}
-        train, held_out = (TextTask(calc_examples(split), number_reward, tokenizer, name=name, tool=calc_tool,
-                                    **turns) for split in ("train", "eval"))
-        return train, held_out, tool_calls_well_formed
+        train, held_out = (TextTask(examples(split), number_reward, tokenizer, name=name, tool=tool, **turns)
+                           for split in ("train", "eval"))
+        return train, held_out, well_formed
     if name == "chat-word":
         budget = TASK_DEFAULTS[name]["max_new_tokens"]
         train, held_out = (TextTask(word_examples(split), final_number_reward, tokenizer, name=name,
@@ -236,7 +242,7 @@ def build_tasks(name: str, tokenizer) -> tuple[TextTask, TextTask, object]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", "chat-calc", "chat-word"))
+    p.add_argument("--task", default="chat-add1", choices=("chat-add1", "chat-add2", *TOOL_TASKS, "chat-word"))
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-minutes", type=float, default=1.0)

@@ -9,7 +9,8 @@ Training time is rollouts (generation), scoring and updates; the evaluations are
   grpo``, ``--holes cut``, ...), in a process of its own;
 - :func:`plain_run`: the plain PyTorch policy-gradient loop of ``plain_pg_loop.py``;
 - :func:`trl_run`: TRL's ``GRPOTrainer`` with its own defaults except the settings with an obvious
-  counterpart in the job (:data:`TRL_SETTINGS`); on ``chat-calc`` with the same tool (``tools=``).
+  counterpart in the job (:data:`TRL_SETTINGS`); on ``chat-calc`` / ``chat-calc-sum`` with the same tool
+  (``tools=``).
 
 Each returns ``{rows, peak_rss_gib, ...}``: ``rows`` are ``metrics.csv``-like dicts with ``iteration``,
 ``rollout_s``, ``reference_s``, ``update_s``, ``rollout_tokens`` (generated tokens of the iteration) and,
@@ -68,8 +69,8 @@ def job_run(model: Path, task: str, seed: int, minutes: float, flags: list[str],
 
 #: Gradient accumulation of the plain loop per task (the same gradient as one backward over the batch): on
 #: ``chat-word`` (32 answers of 64 tokens after a three-message prompt) its one backward peaked past 16 GiB and was
-#: killed for memory beside another run.
-PLAIN_MICRO_BATCHES = {"chat-word": 4}
+#: killed for memory beside another run; ``chat-calc-sum``'s rows (a 150-token prompt, 128 tokens) are longer still.
+PLAIN_MICRO_BATCHES = {"chat-word": 4, "chat-calc-sum": 4}
 
 
 def plain_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: float = 5.0) -> dict:
@@ -138,7 +139,7 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
                 rows[-1]["reward"] = logs.get("reward", float("nan"))
 
     tools = {}
-    if task == "chat-calc":
+    if task in ("chat-calc", "chat-calc-sum"):
         def calc(a: int, b: int) -> str:
             """Multiply two whole numbers.
 
@@ -148,7 +149,16 @@ def trl_run(model: Path, task: str, seed: int, minutes: float, eval_minutes: flo
             """
             return str(int(a) * int(b))
 
-        tools = dict(tools=[calc])
+        def add(a: int, b: int) -> str:
+            """Add two whole numbers.
+
+            Args:
+                a: the first number
+                b: the second number
+            """
+            return str(int(a) + int(b))
+
+        tools = dict(tools=[calc] if task == "chat-calc" else [calc, add])
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as out:
         config = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", seed=seed, max_steps=100000,
                             max_completion_length=train.answer_len, logging_steps=1, save_strategy="no",

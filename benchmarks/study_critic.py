@@ -59,7 +59,7 @@ from sides import (
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic"
-TASKS = ("chat-add2", "chat-calc", "chat-word")
+TASKS = ("chat-add2", "chat-calc", "chat-calc-sum", "chat-word")
 SIDES = {"ppo": [], "grpo": ["--advantage", "grpo"], "rloo": ["--advantage", "rloo"], "plain": None, "trl": None}
 MARKS = (0, 5, 10, 15)
 MINUTES = 15.0

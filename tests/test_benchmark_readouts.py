@@ -132,3 +132,27 @@ def test_the_pair_runner_passes_the_results_directory_pins_each_run_and_skips_wr
         assert len(cores[0]) == len(cores[1]) == 1 and cores[0] != cores[1]  # one core each, not the same one
     assert run_pairs(script, ["a", "b"], row, tmp_path, 1.0, results) == 0
     assert capsys.readouterr().err.count("written already, skipped") == 2
+
+
+def test_the_lever_summary_sets_each_lever_against_the_recipe(tmp_path, capsys):
+    from ablate_critic import row_path, summary
+
+    for lever, acc in (("recipe", [0.2, 0.4]), ("critic-steps-2", [0.5, 0.7])):
+        for seed, base in enumerate(acc):
+            path = row_path(tmp_path, f"chat-add2:{lever}:{seed}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(dict(task="chat-add2", lever=lever, seed=seed, rows=run(0.0, base, base, base,
+                                                                                                 base, base, base, base))))
+    summary(tmp_path)
+    out = capsys.readouterr().out
+    assert "| recipe | 2 |" in out and "| critic-steps-2 | 2 |" in out
+    assert "- critic-steps-2 (2 against 2 seeds): 5 min +0.300" in out
+
+
+def test_the_lever_runner_refuses_an_unknown_lever_in_one_error_line(capsys):
+    from ablate_critic import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(Path(__file__).parent), "--runs", "chat-add2:bigger-critic:0"])
+    err = capsys.readouterr().err
+    assert "error:" in err and "LEVER one of" in err
