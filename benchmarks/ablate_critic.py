@@ -46,6 +46,7 @@ LEVERS: dict[str, list[str]] = {
     "critic-lr-3e-3": ["--critic-lr", "3e-3"],  # the critic's learning rate above the recipe's 1e-3
     "policy-lmbda-0.95": ["--policy-lmbda", "0.95"],  # decoupled GAE: lambda 1 for the critic, 0.95 for the policy
     "length-alpha-1": ["--length-alpha", "1"],  # length-adaptive lambda: 0.8 at 5 tokens, 0.95 at 20
+    "length-alpha-0.05-floor-0.9": ["--length-alpha", "0.05", "--length-floor", "0.9"],  # VAPO's alpha, floored
     "own-trunk": ["--no-shared-trunk"],  # a separate value model initialised from the LM
     "own-trunk-no-attention": ["--no-shared-trunk", "--critic-train", "no-attention"],  # SAO's frozen attention
     "own-trunk-top-4": ["--no-shared-trunk", "--critic-train", "top:4"],

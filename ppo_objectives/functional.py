@@ -687,8 +687,8 @@ def _per_row_lmbda(kernel, r, v, m, gamma, lmbda: Tensor, boot, ends, end_values
     return adv
 
 
-def length_adaptive_lmbda(mask: Tensor, alpha: float) -> Tensor:
-    """VAPO's length-adaptive GAE lambda of each row, ``lmbda = 1 - 1 / (alpha * l)``, clamped to [0, 1].
+def length_adaptive_lmbda(mask: Tensor, alpha: float, floor: float = 0.0) -> Tensor:
+    """VAPO's length-adaptive GAE lambda of each row, ``lmbda = 1 - 1 / (alpha * l)``, clamped to [floor, 1].
 
     Yue et al. 2025, "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning
     Tasks" (arXiv:2504.05118): with ``l`` the row's number of valid tokens, the sum of the
@@ -700,6 +700,9 @@ def length_adaptive_lmbda(mask: Tensor, alpha: float) -> Tensor:
         mask: ``[*B, R]`` bool or {0, 1}, True = token takes part.
         alpha: ``> 0`` (VAPO: 0.05 for responses of hundreds to thousands of tokens; a short
             response needs a larger one).
+        floor: the smallest lambda, in [0, 1]: ``1 - 1 / (alpha * l)`` is negative for ``l < 1 / alpha``
+            (VAPO's 0.05 gives every answer under 20 tokens lambda 0, one TD step on the critic's guess);
+            a floor keeps short answers on more of their reward.
 
     Returns:
         ``[*B]`` float32: pass it as ``lmbda=`` to :func:`masked_gae`.
@@ -707,13 +710,16 @@ def length_adaptive_lmbda(mask: Tensor, alpha: float) -> Tensor:
     Example:
         >>> length_adaptive_lmbda(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]), alpha=0.5)
         tensor([0.5000, 0.0000, 0.0000])
+        >>> length_adaptive_lmbda(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), alpha=0.5, floor=0.9)
+        tensor([0.9000, 0.9000])
     """
     _validate.check_positive("alpha", alpha)
+    _validate.check_unit_interval("floor", floor)
     m = _validate.check_mask(mask, mask.shape if isinstance(mask, Tensor) else torch.Size(), "mask")
     if m.dim() < 1:
         raise ValueError("mask must have a time axis: shape [*B, R], got a scalar")
     n = m.sum(-1).to(torch.float32)
-    return torch.where(n > 0, 1.0 - 1.0 / (alpha * n.clamp(min=1.0)), 0.0).clamp(0.0, 1.0)
+    return torch.where(n > 0, 1.0 - 1.0 / (alpha * n.clamp(min=1.0)), 0.0).clamp(float(floor), 1.0)
 
 
 def _gae_finish(adv_raw, v, m, average_gae, shape, out_dtype, process_group=None):

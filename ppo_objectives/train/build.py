@@ -211,6 +211,7 @@ def _advantage_estimator(cfg: TrainConfig, device: torch.device, process_group):
     """``--advantage``: ``MaskedGAE`` (whitened over the valid tokens of every rank's batch), or a critic-free one."""
     if cfg.advantage == "gae":
         return MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, policy_lmbda=cfg.policy_lmbda, length_alpha=cfg.length_alpha,
+                         length_floor=cfg.length_floor,
                          average_gae=cfg.average_gae, holes=cfg.holes, level=cfg.gae_level, device=device,
                          process_group=process_group)
     if cfg.advantage == "reinforce++":

@@ -231,6 +231,8 @@ class TrainConfig:
     policy_lmbda: float = _f(None, "decoupled GAE (VAPO): the advantages' own lambda; unset: --lmbda", type_=float)
     length_alpha: float = _f(None, "length-adaptive GAE (VAPO): the advantages' lambda per response, "
                                    "1 - 1 / (alpha * length); unset: off", type_=float)
+    length_floor: float = _f(0.0, "the smallest length-adaptive lambda (--length-alpha): short answers get at least "
+                                  "this, not 0")
     kl_reward_coeff: float = _rf("kl_reward_coeff", "in-reward KL coefficient beta (k1 to the reference, per token)")
     adaptive_kl: bool = _f(False, "adapt beta towards --kl-target (Ziegler et al. 2019)")
     kl_target: float = _f(1.0, "target per-sequence KL (nats) of the adaptive controller")
@@ -327,11 +329,14 @@ class TrainConfig:
         if not _validate.is_real(self.early_stop_kl, low=0.0):
             raise ValueError(f"TrainConfig early_stop_kl={self.early_stop_kl!r} must be a finite number >= 0 (0 turns "
                              "the trust region off)")
-        for name in ("gamma", "lmbda", "policy_lmbda"):  # checked here, not first inside a GAE call
+        for name in ("gamma", "lmbda", "policy_lmbda", "length_floor"):  # checked here, not first inside a GAE call
             if getattr(self, name) is not None:
                 _validate.check_unit_interval(name, getattr(self, name))
         if self.length_alpha is not None and not _validate.is_real(self.length_alpha, low=0.0, strict=True):
             raise ValueError(f"TrainConfig length_alpha={self.length_alpha!r} must be a finite number > 0")
+        if self.length_floor != 0.0 and self.length_alpha is None:
+            raise ValueError(f"--length-floor {self.length_floor} bounds the length-adaptive lambda, but --length-alpha "
+                             "is not set; give --length-alpha or drop --length-floor")
         if self.policy_lmbda is not None and self.length_alpha is not None:
             raise ValueError("--policy-lmbda and --length-alpha both set the advantages' lambda; give one of them")
         if not _validate.is_real(self.temperature, low=0.0, strict=True):
@@ -563,7 +568,8 @@ _GROUP_MEMBERS = {
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
     "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "critic_steps",
                "critic_train", "clip_value", "critic_coeff",
-               "gamma", "lmbda", "average_gae", "holes", "gae_level", "policy_lmbda", "length_alpha"),
+               "gamma", "lmbda", "average_gae", "holes", "gae_level", "policy_lmbda", "length_alpha",
+               "length_floor"),
     "output": ("out", "save_every", "no_plot", "no_progress", "logger", "stall_patience"),
     "parallel": ("workers", "collector_backend", "ray_address", "fsdp", "threads"),
 }

@@ -154,6 +154,7 @@ class MaskedGAE(ValueEstimatorBase):
         policy_lmbda: the advantage's lambda in [0, 1] (decoupled GAE); ``None``: ``lmbda``.
         length_alpha: ``> 0``: the advantage's lambda per row from its length (length-adaptive
             GAE); exclusive with ``policy_lmbda``.
+        length_floor: the smallest length-adaptive lambda, in [0, 1] (default 0).
         average_gae: whiten the advantages over the valid steps (MiniMind: True).
             Default ``False`` as in TorchRL.
         differentiable: keep the autograd graph (default ``False``: computed
@@ -272,6 +273,7 @@ class MaskedGAE(ValueEstimatorBase):
         *,
         policy_lmbda: float | None = None,
         length_alpha: float | None = None,
+        length_floor: float = 0.0,
         average_gae: bool = False,
         differentiable: bool = False,
         skip_existing: bool | None = None,
@@ -296,7 +298,8 @@ class MaskedGAE(ValueEstimatorBase):
             _validate.check_unit_interval("policy_lmbda", policy_lmbda)
         if length_alpha is not None:
             _validate.check_positive("length_alpha", length_alpha)
-        self.policy_lmbda, self.length_alpha = policy_lmbda, length_alpha
+        _validate.check_unit_interval("length_floor", length_floor)
+        self.policy_lmbda, self.length_alpha, self.length_floor = policy_lmbda, length_alpha, float(length_floor)
         self.average_gae = bool(average_gae)
         self.process_group = process_group
         if holes not in HOLES:
@@ -446,7 +449,7 @@ class MaskedGAE(ValueEstimatorBase):
         _, target = F.masked_gae(r, v, m, self.gamma, self.lmbda, average_gae=False, **kw)
         if self.length_alpha is not None:
             mask = m if m is not None else torch.ones(r.shape, dtype=torch.bool, device=r.device)
-            lmbda = F.length_adaptive_lmbda(mask, self.length_alpha).to(r.dtype if r.is_floating_point() else None)
+            lmbda = F.length_adaptive_lmbda(mask, self.length_alpha, self.length_floor).to(r.dtype if r.is_floating_point() else None)
         else:
             lmbda = self.policy_lmbda
         adv, _ = F.masked_gae(r, v, m, self.gamma, lmbda, average_gae=self.average_gae, **kw)

@@ -173,3 +173,33 @@ def test_turn_level_gae_refuses_a_cut_at_holes_a_length_lambda_and_a_critic_free
         T.TrainConfig(preset="pico", gae_level="turn", length_alpha=0.5)
     with pytest.raises(ValueError, match="--gae-level configure the critic, but --advantage rloo has none"):
         T.TrainConfig(preset="pico", gae_level="turn", advantage="rloo")
+
+
+# ----------------------------------------------------------------------------- --length-floor
+
+
+def test_the_length_adaptive_lambda_has_a_floor_for_short_answers():
+    from ppo_objectives import functional as F
+    from ppo_objectives.value.gae import MaskedGAE
+    from tensordict import TensorDict
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert F.length_adaptive_lmbda(mask, 0.25).tolist() == [0.0, 0.5]  # 1 - 1 / (0.25 * 2) = -1: clamped at 0
+    assert F.length_adaptive_lmbda(mask, 0.25, floor=0.9).tolist() == pytest.approx([0.9, 0.9])
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    td = TensorDict({"next": {"reward": r}, "state_value": v, "mask": mask}, batch_size=[2, 8])
+    adv = MaskedGAE(lmbda=1.0, length_alpha=0.25, length_floor=0.9)(td.clone())["advantage"]
+    ref, _ = F.masked_gae(r, v, mask, 1.0, torch.tensor([0.9, 0.9]), average_gae=False)
+    torch.testing.assert_close(adv, ref)
+
+
+def test_a_floor_without_a_length_alpha_or_outside_the_unit_interval_is_refused():
+    with pytest.raises(ValueError, match="--length-floor 0.9 bounds the length-adaptive lambda, but --length-alpha"):
+        T.TrainConfig(preset="pico", length_floor=0.9)
+    with pytest.raises(ValueError, match="length_floor"):
+        T.TrainConfig(preset="pico", length_alpha=1.0, length_floor=1.5)
+    with pytest.raises(ValueError, match="floor"):
+        from ppo_objectives import functional as F
+
+        F.length_adaptive_lmbda(torch.ones(1, 2, dtype=torch.bool), 1.0, floor=-0.1)
