@@ -6,6 +6,7 @@ What it compares, per task, on the same model, training prompts, reward and held
 
 - ``ppo``: the job's recipe, PPO with the critic (``python -m ppo_objectives.train``);
 - ``grpo`` / ``rloo``: the same job with ``--advantage grpo`` / ``--advantage rloo`` (no critic);
+- ``grpo8`` / ``rloo8``: the same with groups of 8 answers per prompt instead of 4;
 - ``plain``: the plain PyTorch policy-gradient loop of ``plain_pg_loop.py``;
 - ``trl``: TRL's ``GRPOTrainer``, its defaults but for the settings with a counterpart in the job
   (``sides.TRL_SETTINGS``; every default in force is recorded in its rows); on ``chat-calc`` with the
@@ -60,7 +61,9 @@ from sides import (
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic"
 TASKS = ("chat-add2", "chat-calc", "chat-calc-sum", "chat-word")
-SIDES = {"ppo": [], "grpo": ["--advantage", "grpo"], "rloo": ["--advantage", "rloo"], "plain": None, "trl": None}
+SIDES = {"ppo": [], "grpo": ["--advantage", "grpo"], "rloo": ["--advantage", "rloo"], "plain": None, "trl": None,
+         # SAO's claim: one rollout per prompt with a critic against groups of 8, in rollout answers to an accuracy
+         "grpo8": ["--advantage", "grpo", "--group-size", "8"], "rloo8": ["--advantage", "rloo", "--group-size", "8"]}
 MARKS = (0, 5, 10, 15)
 MINUTES = 15.0
 
