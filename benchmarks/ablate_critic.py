@@ -19,7 +19,8 @@ TASK/LEVER/seedS.json``; a re-run skips the rows already there.
 ``--summary`` prints, per task and lever: held-out sampled accuracy at 5, 10 and 15 minutes
 (median over seeds), the minutes and the rollout answers to 0.9 of the best lever's final
 accuracy, seconds per iteration and peak memory, and ``lever - recipe`` at each mark with a
-bootstrap 95% interval over seeds (a lever of one seed has no interval of its own).
+bootstrap 95% interval over seeds (a lever of one seed has no interval of its own). ``--recipe-from DIR``
+counts the ``ppo`` rows of ``study_critic.py --results DIR`` (the same machine's) as runs of the recipe.
 
     python benchmarks/ablate_critic.py --model runs/smollm2 --runs chat-add2:recipe:0 chat-add2:critic-steps-2:0
     python benchmarks/ablate_critic.py --summary
@@ -78,8 +79,14 @@ def _median(xs: list[float]) -> float:
     return float("nan") if not xs else (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
-def summary(results: Path) -> None:
+def summary(results: Path, recipe_from: Path | None = None) -> None:
     runs = load_runs(results)
+    if recipe_from is not None:  # the study's ppo rows are runs of the recipe under the same protocol
+        from study_critic import load_runs as study_runs
+
+        for task, sides in study_runs(recipe_from).items():
+            if task in TASKS and sides.get("ppo"):
+                runs.setdefault(task, {}).setdefault("recipe", []).extend(sides["ppo"])
     if not runs:
         print("no rows yet: run the levers first")
         return
@@ -110,9 +117,11 @@ def summary(results: Path) -> None:
 def main(argv=None) -> int:
     default = [f"{t}:{lever}:0" for t in TASKS for lever in LEVERS]
     p = runner_arguments(__doc__, default, MINUTES, "TASK:LEVER:SEED", RESULTS)
+    p.add_argument("--recipe-from", type=Path, help="--summary: also count the ppo rows of study_critic.py under "
+                   "this directory (the same machine's) as runs of the recipe")
     args = p.parse_args(argv)
     if args.summary:
-        summary(args.results)
+        summary(args.results, args.recipe_from)
         return 0
     specs = [args.one_run] if args.one_run else args.runs
     for spec in specs:

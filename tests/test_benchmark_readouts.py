@@ -156,3 +156,17 @@ def test_the_lever_runner_refuses_an_unknown_lever_in_one_error_line(capsys):
         main(["--model", str(Path(__file__).parent), "--runs", "chat-add2:bigger-critic:0"])
     err = capsys.readouterr().err
     assert "error:" in err and "LEVER one of" in err
+
+
+def test_the_lever_summary_can_take_the_recipe_from_the_studys_rows(tmp_path, capsys):
+    from ablate_critic import row_path, summary
+
+    study = tmp_path / "study" / "chat-add2" / "ppo" / "seed0.json"
+    study.parent.mkdir(parents=True)
+    study.write_text(json.dumps(dict(task="chat-add2", side="ppo", seed=0, rows=run(0.0, *[0.2] * 7))))
+    lever = row_path(tmp_path / "levers", "chat-add2:turn-level:0")
+    lever.parent.mkdir(parents=True)
+    lever.write_text(json.dumps(dict(task="chat-add2", lever="turn-level", seed=0, rows=run(0.0, *[0.5] * 7))))
+    summary(tmp_path / "levers", tmp_path / "study")
+    out = capsys.readouterr().out
+    assert "| recipe | 1 |" in out and "- turn-level (1 against 1 seeds" in out and "5 min +0.300" in out
