@@ -345,14 +345,14 @@ class NextTokenLogits(nn.Module):
         so that :meth:`_prefill` copies them. With no stored prefix, the reference is the first stale row's context
         (filled alone first, it becomes the prefix), whose own count is 0. The context of a row is its attended
         columns from ``first`` (position 0) before its newest token ``last``."""
+        if not self.copy_prefix:
+            return torch.zeros_like(first)
         N, S = tokens.shape
         ahead = torch.arange(S, device=tokens.device)
         cols = first[:, None] + ahead  # [N, S]: the column of position j, while the context is contiguous
         inside = cols < last[:, None]
         cols = cols.clamp(max=S - 1)
         tok, ok = tokens.gather(1, cols), inside & attention_mask.gather(1, cols)
-        if not self.copy_prefix:
-            return torch.zeros_like(first)
         if self._prefix is not None:
             n = self._prefix.tokens.numel()  # < S: it came from a buffer of this length
             ref_tok = torch.zeros(S, dtype=tokens.dtype, device=tokens.device)
