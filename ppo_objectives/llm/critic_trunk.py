@@ -22,7 +22,7 @@ model's ``model.layers``).
 Example:
     >>> import torch
     >>> from ppo_objectives.llm.models import TinyCausalLM, TinyLMConfig
-    >>> lm = TinyCausalLM(TinyLMConfig.preset("pico", vocab_size=16, block_size=8))
+    >>> lm = TinyCausalLM(TinyLMConfig.preset("nano", vocab_size=16, block_size=8))  # two decoder layers
     >>> trained = freeze_critic_trunk(lm, "top:1")
     >>> sorted({n.split(".")[0] + "." + n.split(".")[1] for n, p in lm.named_parameters() if p.requires_grad})
     ['blocks.1', 'ln_f.bias', 'ln_f.weight']
