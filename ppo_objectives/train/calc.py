@@ -28,7 +28,7 @@ import torch
 
 from ppo_objectives.train.text import TextExample
 
-__all__ = ["CALC_HELD_OUT", "ONE_SHOT", "calc_examples", "calc_tool", "tool_calls_well_formed"]
+__all__ = ["CALC_HELD_OUT", "ONE_SHOT", "calc_examples", "calc_reply", "calc_tool", "tool_calls_well_formed"]
 
 #: Held-out problems of ``chat-calc``.
 CALC_HELD_OUT = 200
@@ -79,11 +79,21 @@ def calc_tool(messages: list[dict], **fields) -> str | None:
         >>> calc_tool([{"role": "assistant", "content": "The answer is 1026."}]) is None
         True
     """
-    text = messages[-1]["content"]
-    found = _CALL.search(text)
+    return calc_reply(messages[-1]["content"], _CALL, lambda m: int(m.group(1)) * int(m.group(2)), CALC_ERROR)
+
+
+def calc_reply(text: str, call: re.Pattern, result, error: str) -> str | None:
+    """A calculator's reply to an assistant message ``text``: ``"calc result: N"`` with ``N = result(match)`` for the
+    first well-formed call (``call``), ``error`` for a call it cannot read (any ``calc(``), ``None`` without one.
+
+    Example:
+        >>> calc_reply("calc(2*3)", _CALL, lambda m: int(m.group(1)) * int(m.group(2)), "bad")
+        'calc result: 6'
+    """
+    found = call.search(text)
     if found:
-        return f"calc result: {int(found.group(1)) * int(found.group(2))}"
-    return CALC_ERROR if _ANY_CALL.search(text) else None
+        return f"calc result: {result(found)}"
+    return error if _ANY_CALL.search(text) else None
 
 
 def tool_calls_well_formed(messages: list[dict], prompt_messages: int = len(ONE_SHOT) + 1, *,

@@ -32,7 +32,7 @@ import re
 
 import torch
 
-from ppo_objectives.train.calc import tool_calls_well_formed
+from ppo_objectives.train.calc import calc_reply, tool_calls_well_formed
 from ppo_objectives.train.text import TextExample
 
 __all__ = ["CALC_SUM_HELD_OUT", "ONE_SHOT", "calc_sum_examples", "calc_sum_tool", "calc_sum_calls_well_formed"]
@@ -55,7 +55,6 @@ ONE_SHOT = (
 )
 
 _CALL = re.compile(r"calc\(\s*(\d{1,12})\s*([*x×+])\s*(\d{1,12})\s*\)")
-_ANY_CALL = re.compile(r"calc\s*\(")  # any attempt at a call: a malformed one gets the error
 
 #: The reply to a call the tool cannot read.
 CALC_SUM_ERROR = "calc error: write calc(a*b) or calc(a+b) with two whole numbers"
@@ -101,12 +100,12 @@ def calc_sum_tool(messages: list[dict], **fields) -> str | None:
         >>> calc_sum_tool([{"role": "assistant", "content": "The answer is 1066."}]) is None
         True
     """
-    text = messages[-1]["content"]
-    found = _CALL.search(text)
-    if found:
-        a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
-        return f"calc result: {a + b if op == '+' else a * b}"
-    return CALC_SUM_ERROR if _ANY_CALL.search(text) else None
+    return calc_reply(messages[-1]["content"], _CALL, _result, CALC_SUM_ERROR)
+
+
+def _result(found: re.Match) -> int:
+    a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
+    return a + b if op == "+" else a * b
 
 
 def calc_sum_calls_well_formed(messages: list[dict]) -> bool:
