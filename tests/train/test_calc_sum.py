@@ -72,7 +72,7 @@ def test_the_job_runs_chat_calc_sum_and_checks_its_calls(tmp_path, chat_model_di
     from ppo_objectives import train as T
 
     cfg = T.TrainConfig(model=str(chat_model_dir), task="chat-calc-sum", iterations=1, num_envs=4, eval_every=1,
-                        eval_samples=4, out=str(tmp_path / "run"), no_progress=True, no_plot=True)
+                        out=str(tmp_path / "run"), no_progress=True, no_plot=True)
     rows = T.train(cfg)
     assert len(rows) == 2 and rows[1]["turns"] >= 1.0
     assert 0.0 <= rows[1]["eval_tool_calls"] <= 1.0 and not math.isnan(rows[1]["eval_tool_calls"])
