@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 
 from sides import at_minutes, check_model, machine, run_pairs, run_side, runner_arguments, write_row
-from study_critic import MARKS, difference_line, reach
+from study_critic import MARKS, _median, difference_line, reach
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic_levers"
@@ -72,11 +72,6 @@ def load_runs(results: Path) -> dict[str, dict[str, list[dict]]]:
         run = json.loads(path.read_text())
         runs.setdefault(run["task"], {}).setdefault(run["lever"], []).append(run)
     return runs
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(x for x in xs if x == x)
-    return float("nan") if not xs else (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def summary(results: Path, recipe_from: Path | None = None) -> None:
