@@ -206,6 +206,9 @@ class TrainConfig:
                                   "attention frozen, as SAO), or top:N (its top N decoder layers and final norm)")
     ppo_epochs: int = _rf("ppo_epochs", "passes over each rollout")
     minibatches: int = _rf("minibatches", "minibatches per pass")
+    micro_batches: int = _f(1, "gradient accumulation: each minibatch's forward and backward in this many row slices, "
+                               "their gradients summed into the minibatch's one optimizer step (the same step, less "
+                               "activation memory; not under torchrun)")
     clip_epsilon: float = _f(_default(TokenPPOLoss, "clip_epsilon"), "PPO ratio clip")
     clip_value: float = _f(_default(TokenPPOLoss, "clip_value"), "value clip range around V_old")
     critic_coeff: float = _f(_default(TokenPPOLoss, "critic_coeff"), "weight of the value loss")
@@ -318,8 +321,8 @@ class TrainConfig:
         if self.iterations == 0:  # a run of nothing, not a no-op that says nothing
             raise ValueError("--iterations 0 runs no PPO iteration, so nothing would be trained or written; give "
                              "--iterations 1 or more (--resume continues a run up to --iterations)")
-        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "save_every", "seed",
-                     "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup", "stall_patience"):
+        for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "micro_batches", "save_every",
+                     "seed", "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup", "stall_patience"):
             low = 0 if name in ("seed", "warmup_steps", "threads", "eval_every", "critic_warmup") else 1
             _validate.check_int(name, getattr(self, name), low=low, where="TrainConfig ")
         if not _validate.is_real(self.eval_minutes, low=0.0):
@@ -562,7 +565,8 @@ _GROUP_MEMBERS = {
     "task": ("task", "digits", "prompts", "reward", "eval_prompts", "chat_template", "tool", "max_turns",
              "max_turn_tokens", "max_new_tokens", "eval_every", "eval_samples",
              "eval_minutes", "warmup_steps", "warmup_lr"),
-    "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "clip_epsilon", "entropy_coeff",
+    "PPO": ("num_envs", "temperature", "lr", "ppo_epochs", "minibatches", "micro_batches", "clip_epsilon",
+            "entropy_coeff",
             "aggregation", "early_stop_kl",
             "rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),

@@ -75,6 +75,12 @@ def check_launch(cfg: TrainConfig) -> None:
             "DistributedDataParallel wrappers cannot own the same parameters; add --no-shared-trunk for "
             "data-parallel runs (the critic then has its own copy of the trunk)"
         )
+    if cfg.micro_batches > 1 and launched_world_size() > 1:
+        raise ValueError(
+            f"--micro-batches {cfg.micro_batches} under torchrun: each rank would all-reduce its gradients once "
+            "per micro-batch and could run fewer of them than another rank; drop --micro-batches (or lower "
+            "--num-envs per rank) for data-parallel runs"
+        )
     if cfg.collector_backend == "ray":
         _check_ray_launch(cfg)
     out = Path(cfg.out)

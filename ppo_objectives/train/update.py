@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from ppo_objectives import functional as F
 from ppo_objectives.llm.readouts import ActorCritic
@@ -52,6 +52,10 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     ``critic_only`` (the ``--critic-warmup`` iterations): the same minibatch steps on ``loss_critic``
     alone, stepping the critic's optimizer only; the actor's parameters do not move (a shared
     trunk included), so there is no trust region to hold.
+
+    ``cfg.micro_batches`` ``M > 1`` (gradient accumulation): each minibatch's forward and backward run on
+    ``M`` row slices in turn, their gradients summed into the minibatch's one step, so the step is the same
+    (up to float rounding) with a slice's activations in memory instead of the minibatch's.
 
     ``cfg.critic_steps`` ``K > 1``: after the policy's passes, ``K - 1`` more passes of critic-only
     steps over the same batch (fresh minibatch orders), so the critic takes ``K`` steps for each of
@@ -129,6 +133,8 @@ class TrustRegionUpdate:
     def minibatch(self, mb: TensorDictBase, epoch: int, j: int) -> float:
         """One minibatch: the forward, the trust-region check (past ``early_stop_kl``: stop, and the crossing step
         is pulled back), the non-finite guards, the clipped step. Returns its ``kl_approx`` over all ranks."""
+        if self.cfg.micro_batches > 1:
+            return self.accumulated_minibatch(mb, epoch, j)
         out = self.loss(mb)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
         total, kl_now, nonfinite = self.measure(out, mb)  # over all ranks
         if self.cfg.early_stop_kl and kl_now > self.cfg.early_stop_kl:
@@ -141,14 +147,56 @@ class TrustRegionUpdate:
                 self.step(out, grad_norm)
         return kl_now
 
-    def loss(self, mb: TensorDictBase) -> TensorDictBase:
-        """The loss terms on minibatch ``mb``, divided by its valid-token count over all ranks."""
+    def accumulated_minibatch(self, mb: TensorDictBase, epoch: int, j: int) -> float:
+        """:meth:`minibatch` under ``--micro-batches M``: the gradients are summed over ``M`` row slices first
+        (:meth:`loss` with ``backward=True``), then the same decisions are taken on the whole minibatch's
+        numbers; a minibatch that crosses the trust region or is not finite drops its summed gradients."""
+        self.zero_grad()
+        out = self.loss(mb, backward=True)
+        total, kl_now, nonfinite = self.measure(out, mb)
+        if self.cfg.early_stop_kl and kl_now > self.cfg.early_stop_kl:
+            self.zero_grad()
+            self.stop(mb)
+        elif nonfinite:
+            self.zero_grad()
+            self.skip_non_finite_loss(out, total, epoch, j)
+        else:
+            grad_norm = self.clip(epoch, j)
+            if grad_norm is not None:
+                self.step(out, grad_norm)
+        return kl_now
+
+    def loss(self, mb: TensorDictBase, *, backward: bool = False) -> TensorDictBase:
+        """The loss terms on minibatch ``mb``, divided by its valid-token count over all ranks.
+
+        Under ``--micro-batches M`` (``cfg.micro_batches > 1``): the forward runs on ``M`` row slices in turn,
+        each divided by the whole minibatch's count, so that their terms and gradients add up to the
+        minibatch's; with ``backward`` each slice's finite loss is backpropagated (gradients accumulate) before
+        the next slice's forward, so only one slice's activations are held at a time. Returns the merged,
+        detached terms (:func:`merge_micro_batches`)."""
         norm = F.loss_normalizer(mb["mask"], self.loss_module.aggregation, process_group=self.pg)
-        return self.loss_module(mb, normalizer=norm)
+        if self.cfg.micro_batches == 1:
+            return self.loss_module(mb, normalizer=norm)
+        parts = []
+        rows = torch.arange(mb.batch_size[0], device=mb.device)
+        for idx in torch.tensor_split(rows, self.cfg.micro_batches):
+            if not idx.numel():  # fewer rows than micro-batches
+                continue
+            part = mb[idx]
+            out = self.loss_module(part, normalizer=norm)
+            total = self.total(out)
+            if backward and torch.isfinite(total.detach()):  # a non-finite slice: the whole step is skipped
+                total.backward()
+            parts.append((out.detach(), part["mask"].sum()))
+        return merge_micro_batches(parts)
+
+    def total(self, out: TensorDictBase) -> torch.Tensor:
+        """What a step minimises: the summed ``loss_*`` terms (``loss_critic`` alone for a critic-only step)."""
+        return out["loss_critic"] if self.critic_only else sum(v for k, v in out.items() if k.startswith("loss_"))
 
     def _measure(self, out: TensorDictBase, mb: TensorDictBase):
         """(summed loss, kl_approx, its largest per-token value, some rank's loss is not finite), over all ranks."""
-        total = out["loss_critic"] if self.critic_only else sum(v for k, v in out.items() if k.startswith("loss_"))
+        total = self.total(out)
         n = mb["mask"].sum().to(torch.float32)
         signal = torch.stack([out["kl_approx"].detach() * n, n, (~torch.isfinite(total.detach())).float()])
         signal = all_reduce(signal, self.pg).tolist()  # host sync: the decisions need numbers
@@ -177,11 +225,18 @@ class TrustRegionUpdate:
             log_skip(self.rank, self.pg, f"non-finite loss {_loss_terms(out)}", epoch, j)
 
     def backward(self, total: torch.Tensor, epoch: int, j: int) -> torch.Tensor | None:
-        """Gradients of ``total``, clipped; the actor's pre-clip norm, or ``None`` (gradients dropped, the
-        step skipped) when a pre-clip norm is not finite on some rank."""
+        """Gradients of ``total``, clipped (:meth:`clip`)."""
+        self.zero_grad()
+        total.backward()
+        return self.clip(epoch, j)
+
+    def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        total.backward()
+
+    def clip(self, epoch: int, j: int) -> torch.Tensor | None:
+        """Clip the gradients; the actor's pre-clip norm, or ``None`` (gradients dropped, the step skipped)
+        when a pre-clip norm is not finite on some rank."""
         if self.critic_only:  # a shared trunk's gradient from the value loss: not applied, not counted
             for p in self.actor_params:
                 p.grad = None
@@ -189,8 +244,7 @@ class TrustRegionUpdate:
         gn_c = clip_grad_norm_(self.clipped_critic_params, self.cfg.max_grad_norm)
         bad = all_reduce((~torch.isfinite(torch.stack([gn, gn_c]))).any().float(), self.pg)
         if float(bad) > 0:  # clipping scaled by a NaN norm: the gradients are garbage, drop them
-            for opt in self.optimizers:
-                opt.zero_grad(set_to_none=True)
+            self.zero_grad()
             self.skipped += 1
             if self.rank == 0:  # the gradients are all-reduced: the same on every rank
                 why = f"non-finite gradient norm (actor {float(gn)}, critic {float(gn_c)})"
@@ -259,6 +313,39 @@ class TrustRegionUpdate:
                      step_fraction=self.kept, skipped_steps=self.skipped, kl_approx_max=self.kl_max,
                      kl_token_max=self.kl_token_max, grad_norm=self.grad_norm / steps)
         return stats
+
+
+def merge_micro_batches(parts: list[tuple[TensorDictBase, torch.Tensor]]) -> TensorDictBase:
+    """One minibatch's loss output from its micro-batches' ``(terms, valid-token count)``, each slice's terms
+    divided by the whole minibatch's normaliser: the ``loss_*`` terms and ``kl_ref`` are summed, the maxima
+    (``max_ratio``, ``kl_approx_token_max``, ...) take the largest, and every other diagnostic (a mean over
+    the slice's valid tokens) is weighted by the slice's valid tokens. So the masked means equal the
+    minibatch's own; ``ESS`` and ``explained_variance``, which are not means over tokens, become the
+    token-weighted means of the slices' values.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> a = TensorDict({"loss_objective": torch.tensor(0.5), "max_ratio": torch.tensor(1.2),
+        ...                 "clip_fraction": torch.tensor(0.0)})
+        >>> b = TensorDict({"loss_objective": torch.tensor(0.25), "max_ratio": torch.tensor(1.1),
+        ...                 "clip_fraction": torch.tensor(0.3)})
+        >>> m = merge_micro_batches([(a, torch.tensor(1)), (b, torch.tensor(2))])
+        >>> [round(float(m[k]), 3) for k in ("loss_objective", "max_ratio", "clip_fraction")]
+        [0.75, 1.2, 0.2]
+    """
+    weights = torch.stack([n for _, n in parts]).to(torch.float32)
+    merged = {}
+    for key in parts[0][0].keys():
+        values = torch.stack([out[key].to(torch.float32) for out, _ in parts])
+        if key.startswith("loss_") or key == "kl_ref":
+            merged[key] = values.sum()
+        elif "max" in key.split("_"):
+            merged[key] = values.max()
+        else:  # a slice without valid tokens has weight 0 (and may hold NaN)
+            weighted = torch.where(weights > 0, values * weights.to(values.device), values.new_zeros(()))
+            merged[key] = weighted.sum() / weights.sum().clamp_min(1.0).to(values.device)
+    return TensorDict(merged)
 
 
 def _logged(out: TensorDictBase) -> dict[str, float]:
