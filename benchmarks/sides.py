@@ -69,7 +69,7 @@ def job_run(model: Path, task: str, seed: int, minutes: float, flags: list[str],
 
 #: Gradient accumulation of the plain loop per task (the same gradient as one backward over the batch): on
 #: ``chat-word`` (32 answers of 64 tokens after a three-message prompt) its one backward peaked past 16 GiB and was
-#: killed for memory beside another run; ``chat-calc-sum``'s rows (a 150-token prompt, 128 tokens) are longer still.
+#: killed for memory beside another run; ``chat-calc-sum``'s rows (a 130-token prompt, 128 tokens) are longer still.
 PLAIN_MICRO_BATCHES = {"chat-word": 4, "chat-calc-sum": 4}
 
 

@@ -39,11 +39,17 @@ def measure(model: Path, task: str, seeds: list[int]) -> dict:
     _, held_out, well_formed = build_tasks(task, load_tokenizer(model))
     lm = HFCausalLMAdapter(AutoModelForCausalLM.from_pretrained(str(model)).eval())
     t0 = time.perf_counter()
+    done = lambda what: print(f"{task}: {what} done at {time.perf_counter() - t0:.0f} s", flush=True)  # noqa: E731
+    print(f"{task}: {1 + len(seeds)} evaluations of {len(held_out.examples)} problems (greedy, then a sampled one "
+          "per seed)", flush=True)
     with torch.no_grad():
         greedy = evaluate(lm, held_out, greedy=True)
-        sampled = {seed: evaluate(lm, held_out, greedy=False, samples=1,
-                                  generator=torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)).accuracy
-                   for seed in seeds}  # fmt: skip
+        done(f"greedy {greedy.accuracy:.3f}")
+        sampled = {}
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
+            sampled[seed] = evaluate(lm, held_out, greedy=False, samples=1, generator=gen).accuracy
+            done(f"sampled (seed {seed}) {sampled[seed]:.3f}")
     calls = None if well_formed is None else sum(map(well_formed, greedy.conversations)) / len(greedy.conversations)
     print(f"{task}: greedy {greedy.accuracy:.3f}, sampled " + ", ".join(f"{v:.3f} (seed {k})" for k, v in
           sampled.items()) + ("" if calls is None else f", well-formed tool calls {calls:.3f}"), flush=True)

@@ -90,8 +90,8 @@ MULTI_TURN_TASKS = ("chat-calc", "chat-calc-sum")
 #: ``chat-word`` answers with their working: 64 tokens, four times chat-add2's 16.
 TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16,
                                                     minibatches=4),
-                                 # three calls and the answer: four turns of up to 16 tokens, three tool replies
-                                 "chat-calc-sum": dict(max_new_tokens=128, max_turns=5, max_turn_tokens=16,
+                                 # two calls and the answer, and one turn to spare: four turns of up to 16 tokens
+                                 "chat-calc-sum": dict(max_new_tokens=128, max_turns=4, max_turn_tokens=16,
                                                        minibatches=4),
                                  "chat-word": dict(max_new_tokens=64)}
 
@@ -134,9 +134,9 @@ class TrainConfig:
                                "checkpoint's on purpose")
     task: str = _f("reverse", "reverse / copy / add: the toy digit tasks; chat-add1 / chat-add2: single- and "
                               "two-digit addition as chat questions (needs --model with a tokenizer); chat-calc: "
-                              "two-digit multiplication with a calc(a*b) tool, multi-turn; chat-calc-sum: a * b + c * d with "
-                              "three calls of a calc tool, multi-turn; chat-word: two-step word problems answered with "
-                              "their working (64 tokens); jsonl: your prompts "
+                              "two-digit multiplication with a calc(a*b) tool, multi-turn; chat-calc-sum: a * b + c "
+                              "with two calls of a calc tool (the product, then the sum), multi-turn; chat-word: "
+                              "two-step word problems answered with their working (64 tokens); jsonl: your prompts "
                               "(--prompts, --reward, --eval-prompts, --tool)", choices=TASKS)
     digits: int = _f(3, "digits per operand of the toy task")
     prompts: str = _f("", "--task jsonl: training prompts, one JSON object per line with 'prompt' (a string or "
@@ -150,7 +150,7 @@ class TrainConfig:
                        "**fields) after each assistant turn; it returns the next message (a str) or None to end the "
                        "episode. Makes the task multi-turn: its messages are holes in the response")
     max_turns: int = _f(None, "multi-turn tasks: the assistant's turns per episode (0: as many as --max-new-tokens "
-                              "allows) [default: chat-calc 3, chat-calc-sum 5, --tool 0]")
+                              "allows) [default: chat-calc 3, chat-calc-sum 4, --tool 0]")
     max_turn_tokens: int = _f(None, "multi-turn tasks: tokens per assistant turn (0: --max-new-tokens) [default: "
                                     "chat-calc and chat-calc-sum 16, --tool 0]")
     max_new_tokens: int = _rf("max_new_tokens", "text tasks: response budget M (the toy task's is its answer length)")

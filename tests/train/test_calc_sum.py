@@ -1,4 +1,4 @@
-"""``--task chat-calc-sum``: the problems, the tool that the credit must cross three times, and the job on it."""
+"""``--task chat-calc-sum``: the problems, the tool that the credit must cross twice, and the job on it."""
 
 import math
 
@@ -14,30 +14,29 @@ from ppo_objectives.train.calc_sum import (
 from ppo_objectives.train.text import number_reward
 
 
-def _numbers(question: str) -> tuple[int, int, int, int]:
-    left, right = question[len("What is "):-1].split(" plus ")
+def _numbers(question: str) -> tuple[int, int, int]:
+    left, c = question[len("What is "):-1].split(" plus ")
     a, b = left.split(" times ")
-    c, d = right.split(" times ")
-    return int(a), int(b), int(c), int(d)
+    return int(a), int(b), int(c)
 
 
-def test_the_split_is_seeded_disjoint_and_every_answer_is_the_sum_of_the_products():
+def test_the_split_is_seeded_disjoint_and_every_answer_is_the_product_plus_the_third_number():
     held_out, train = calc_sum_examples("eval"), calc_sum_examples("train")
     assert (len(held_out), len(train)) == (200, 20_000)
     questions = [e.prompt[-1]["content"] for e in held_out + train]
     assert len(set(questions)) == len(questions)  # no problem twice, none in both splits
     assert calc_sum_examples("eval") == held_out and calc_sum_examples("eval", split_seed=1) != held_out
     for ex in held_out[:20] + train[:20]:
-        a, b, c, d = _numbers(ex.prompt[-1]["content"])
-        assert all(10 <= x <= 99 for x in (a, b, c, d)) and ex.fields == {"answer": a * b + c * d}
+        a, b, c = _numbers(ex.prompt[-1]["content"])
+        assert all(10 <= x <= 99 for x in (a, b, c)) and ex.fields == {"answer": a * b + c}
         assert tuple(ex.prompt[:-1]) == ONE_SHOT
-    assert (12, 34, 56, 17) not in {_numbers(q) for q in questions}  # the worked example is no problem
+    assert (12, 34, 56) not in {_numbers(q) for q in questions}  # the worked example is no problem
 
 
 def test_the_worked_exchange_is_what_the_tool_answers():
     for call, reply in zip(ONE_SHOT[1:-1:2], ONE_SHOT[2::2]):
         assert calc_sum_tool([call]) == reply["content"]
-    assert number_reward(ONE_SHOT[-1]["content"], 12 * 34 + 56 * 17) == 1.0
+    assert number_reward(ONE_SHOT[-1]["content"], 12 * 34 + 56) == 1.0
 
 
 @pytest.mark.parametrize("text, reply", [
@@ -53,7 +52,7 @@ def test_the_tool_reads_products_and_sums_and_never_evaluates_the_text(text, rep
 
 
 def test_well_formed_calls_are_the_products_and_sums_after_the_prompt():
-    chat = [*ONE_SHOT, {"role": "user", "content": "What is 57 times 18 plus 10 times 10?"}]
+    chat = [*ONE_SHOT, {"role": "user", "content": "What is 57 times 18 plus 100?"}]
     good = [{"role": "assistant", "content": "calc(57*18)"}, {"role": "user", "content": "calc result: 1026"},
             {"role": "assistant", "content": "calc(1026+100)"}]
     assert calc_sum_calls_well_formed(chat + good)
@@ -61,11 +60,11 @@ def test_well_formed_calls_are_the_products_and_sums_after_the_prompt():
     assert not calc_sum_calls_well_formed(chat + [{"role": "assistant", "content": "The answer is 1126."}])
 
 
-def test_the_task_has_a_budget_for_three_calls_and_an_answer():
+def test_the_task_has_a_budget_for_two_calls_an_answer_and_a_turn_to_spare():
     from ppo_objectives import train as T
 
     cfg = T.TrainConfig(task="chat-calc-sum", model="m")
-    assert cfg.multi_turn and (cfg.max_new_tokens, cfg.max_turns, cfg.max_turn_tokens) == (128, 5, 16)
+    assert cfg.multi_turn and (cfg.max_new_tokens, cfg.max_turns, cfg.max_turn_tokens) == (128, 4, 16)
 
 
 def test_the_job_runs_chat_calc_sum_and_checks_its_calls(tmp_path, chat_model_dir):
