@@ -122,7 +122,8 @@ ROWS = {  # row -> the job's extra flags (and the plain loop's LoRA rank)
     "lora-kl": ["--lora-rank", "16"],
     "lora-no-kl": ["--lora-rank", "16", "--kl-reward-coeff", "0"],
     "bf16-ref": ["--reference-dtype", "bfloat16"],  # not a default row: the reference's forward in bf16
-    "micro2": ["--micro-batches", "2"],  # not a default row: each minibatch's gradient over two row slices
+    "micro2": ["--micro-batches", "2"],  # not default rows: each minibatch's gradient over two / four row slices
+    "micro4": ["--micro-batches", "4"],
 }
 DEFAULT_ROWS = ("kl", "no-kl", "lora-kl", "lora-no-kl")
 RESULTS = Path(__file__).resolve().parent / "results" / "split"
