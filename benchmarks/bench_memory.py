@@ -7,7 +7,8 @@ What it compares: the job (``python -m ppo_objectives.train --model DIR --task c
 mark is reset after iteration 1 (``/proc/self/clear_refs``), so the loading of the models and the
 held-out evaluations at the start and at the end, whose batched prefill of 64 prompts over the
 whole vocabulary outgrows an iteration, are not in it. Also printed: the resident size after the
-last of those iterations, and each row's ratio to the ``kl`` row (full fine-tuning, the recipe). ``--plain`` adds
+last of those iterations, each row's ratio to the ``kl`` row (full fine-tuning, the recipe), and the job's update
+time per iteration (median over the same iterations; what ``--micro-batches`` costs in time). ``--plain`` adds
 the plain loop of ``plain_pg_loop.py`` (full fine-tuning, its model loaded as ``bench_real_lm_split.py`` loads it)
 under the same protocol.
 
@@ -39,14 +40,17 @@ def _status_gib(field: str) -> float:
 def one_row(args, row: str) -> dict:
     from ppo_objectives import train as T
 
-    marks = {}
+    marks, update_s = {}, []
 
     def callback(r: dict, run) -> None:
         it = int(r["iteration"])
         if it == 1:  # from here on: the training iterations only
             Path("/proc/self/clear_refs").write_text("5")
-        elif it == args.iterations - 1:
-            marks.update(peak_gib=_status_gib("VmHWM"), rss_gib=_status_gib("VmRSS"))
+        elif it >= 2:
+            update_s.append(float(r["update_s"]))
+        if it == args.iterations - 1:
+            marks.update(peak_gib=_status_gib("VmHWM"), rss_gib=_status_gib("VmRSS"),
+                         update_s=sorted(update_s)[len(update_s) // 2])
 
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as out:
         flags = ["--model", str(args.model), "--task", args.task, "--iterations", str(args.iterations), "--out", out,
@@ -108,12 +112,13 @@ def main(argv=None) -> int:
         print(f"{row}: peak {results[-1]['peak_gib']:.2f} GiB", file=sys.stderr, flush=True)
     base = next((r["peak_gib"] for r in results if r["row"] == "kl"), None)
     print(f"\n{args.task} on {args.model}: peak RSS over training iterations 2..{args.iterations - 1}\n")
-    print("| row | job flags | peak RSS GiB | RSS after GiB | peak / kl row |")
-    print("|---|---|---|---|---|")
+    print("| row | job flags | peak RSS GiB | RSS after GiB | peak / kl row | update s (median) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['peak_gib'] / base:.2f}x" if base else ""
+        update = f"{r['update_s']:.2f}" if "update_s" in r else "-"
         print(f"| {r['row']} | `{' '.join(r['flags']) or '(the recipe)'}` | {r['peak_gib']:.2f} | {r['rss_gib']:.2f} | "
-              f"{ratio} |")
+              f"{ratio} | {update} |")
     return 0
 
 
