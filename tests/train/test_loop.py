@@ -18,12 +18,13 @@ from ppo_objectives.transforms import FixedKLController, KLPenaltyTransform
 from ppo_objectives.value.gae import MaskedGAE
 
 
-def _pieces(seed=0, num_envs=16, **cfg_kw):
+def _pieces(seed=0, num_envs=16, shared_trunk=False, **cfg_kw):
     torch.manual_seed(seed)
-    cfg = T.TrainConfig(num_envs=num_envs, preset="pico", **cfg_kw)
+    cfg = T.TrainConfig(num_envs=num_envs, preset="pico", shared_trunk=shared_trunk, **cfg_kw)
     task = DigitTask("reverse", 3)
     env = TokenLMEnv.from_task(task, num_envs=num_envs, seed=seed)
-    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=env.seq_len), env.prompt_len)
+    ac = make_actor_critic(TinyLMConfig.preset("pico", vocab_size=16, block_size=env.seq_len), env.prompt_len,
+                           shared_trunk=shared_trunk)
     ref = frozen_reference(ac.actor_model, env.prompt_len)
     kl = KLPenaltyTransform(ref, coeff=FixedKLController(0.02))
     gae = MaskedGAE(gamma=1.0, lmbda=0.95, average_gae=True)

@@ -32,10 +32,10 @@ def _update(micro_batches, *, critic_only=False, poison_row=None, **cfg_kw):
     return stats, _flat(ac.actor_parameters()), _flat(ac.critic_parameters()), rows
 
 
-@pytest.mark.parametrize("micro_batches", [2, 3])
-def test_the_accumulated_step_equals_the_minibatch_step(micro_batches):
-    one, actor1, critic1, rows1 = _update(1)
-    m, actor_m, critic_m, rows_m = _update(micro_batches)
+@pytest.mark.parametrize("micro_batches, shared_trunk", [(2, False), (3, False), (2, True)])
+def test_the_accumulated_step_equals_the_minibatch_step(micro_batches, shared_trunk):
+    one, actor1, critic1, rows1 = _update(1, shared_trunk=shared_trunk)
+    m, actor_m, critic_m, rows_m = _update(micro_batches, shared_trunk=shared_trunk)
     assert one["updates"] == m["updates"] == 4
     torch.testing.assert_close(actor_m, actor1, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(critic_m, critic1, rtol=1e-4, atol=1e-5)
