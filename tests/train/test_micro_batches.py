@@ -124,3 +124,10 @@ def test_the_job_runs_with_micro_batches(tmp_path):
     with (tmp_path / "metrics.csv").open() as f:
         row = next(csv.DictReader(f))
     assert int(float(row["updates"])) > 0 and float(row["loss_critic"]) >= 0
+
+
+def test_chat_word_accumulates_over_four_slices_by_default_and_the_flag_overrides_it():
+    assert T.TrainConfig(task="chat-word", model="m").micro_batches == 4
+    assert T.TrainConfig(task="chat-word", model="m", micro_batches=1).micro_batches == 1
+    assert T.TrainConfig(task="chat-add2", model="m").micro_batches == 1
+    assert T.TrainConfig(preset="pico").micro_batches == 1
