@@ -132,36 +132,24 @@ class TrustRegionUpdate:
 
     def minibatch(self, mb: TensorDictBase, epoch: int, j: int) -> float:
         """One minibatch: the forward, the trust-region check (past ``early_stop_kl``: stop, and the crossing step
-        is pulled back), the non-finite guards, the clipped step. Returns its ``kl_approx`` over all ranks."""
-        if self.cfg.micro_batches > 1:
-            return self.accumulated_minibatch(mb, epoch, j)
-        out = self.loss(mb)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
+        is pulled back), the non-finite guards, the clipped step. Returns its ``kl_approx`` over all ranks.
+
+        Under ``--micro-batches M`` the slices' gradients are summed first (:meth:`loss` with ``backward``), then
+        the same decisions are taken on the whole minibatch's numbers; a minibatch that crosses the trust region
+        or is not finite drops its summed gradients."""
+        accumulated = self.cfg.micro_batches > 1
+        if accumulated:
+            self.zero_grad()
+        out = self.loss(mb, backward=accumulated)  # TokenPPOLoss: loss_objective, loss_critic, ..., kl_approx
         total, kl_now, nonfinite = self.measure(out, mb)  # over all ranks
         if self.cfg.early_stop_kl and kl_now > self.cfg.early_stop_kl:
-            self.stop(mb)
-        elif nonfinite:
-            self.skip_non_finite_loss(out, total, epoch, j)
-        else:
-            grad_norm = self.backward(total, epoch, j)  # clipped; None when a norm is not finite (step skipped)
-            if grad_norm is not None:
-                self.step(out, grad_norm)
-        return kl_now
-
-    def accumulated_minibatch(self, mb: TensorDictBase, epoch: int, j: int) -> float:
-        """:meth:`minibatch` under ``--micro-batches M``: the gradients are summed over ``M`` row slices first
-        (:meth:`loss` with ``backward=True``), then the same decisions are taken on the whole minibatch's
-        numbers; a minibatch that crosses the trust region or is not finite drops its summed gradients."""
-        self.zero_grad()
-        out = self.loss(mb, backward=True)
-        total, kl_now, nonfinite = self.measure(out, mb)
-        if self.cfg.early_stop_kl and kl_now > self.cfg.early_stop_kl:
             self.zero_grad()
             self.stop(mb)
         elif nonfinite:
             self.zero_grad()
             self.skip_non_finite_loss(out, total, epoch, j)
-        else:
-            grad_norm = self.clip(epoch, j)
+        else:  # clipped; None when a norm is not finite (step skipped)
+            grad_norm = self.clip(epoch, j) if accumulated else self.backward(total, epoch, j)
             if grad_norm is not None:
                 self.step(out, grad_norm)
         return kl_now
@@ -343,8 +331,8 @@ def merge_micro_batches(parts: list[tuple[TensorDictBase, torch.Tensor]]) -> Ten
         elif "max" in key.split("_"):
             merged[key] = values.max()
         else:  # a slice without valid tokens has weight 0 (and may hold NaN)
-            weighted = torch.where(weights > 0, values * weights.to(values.device), values.new_zeros(()))
-            merged[key] = weighted.sum() / weights.sum().clamp_min(1.0).to(values.device)
+            weighted = torch.where(weights > 0, values * weights, values.new_zeros(()))
+            merged[key] = weighted.sum() / weights.sum().clamp_min(1.0)
     return TensorDict(merged)
 
 
