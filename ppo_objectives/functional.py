@@ -243,8 +243,10 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """Fraction of the returns' variance the critic explains, over valid tokens.
 
     ``1 - var(R - V) / var(R)``: 1 is a perfect critic, 0 no better than a
-    constant, negative worse than one. 0 when ``var(R) == 0`` or the mask is
-    empty (never NaN). Returned detached.
+    constant, negative worse than one. 0 when the mask is empty or ``var(R)``
+    is at the rounding of the numbers' scale (below the dtype's ``eps`` times
+    the mean of ``R**2 + V**2``): returns that are all equal up to rounding
+    have no spread to explain (never NaN). Returned detached.
 
     Args:
         values: ``[*B, R]`` critic values ``V``.

@@ -189,6 +189,22 @@ def test_explained_variance_of_half_correct_critic():
     assert explained_variance(v, r, torch.zeros(4, dtype=torch.bool)).item() == 0.0
 
 
+def test_explained_variance_of_returns_equal_up_to_rounding_is_zero():
+    # a first iteration that no answer solves: returns are 0 plus KL terms at float32 rounding; the ratio of the
+    # two variances was -3e9 there, a number that says nothing about the critic
+    m = torch.ones(6, dtype=torch.bool)
+    r = torch.tensor([0.0, 1e-9, -2e-9, 0.0, 3e-9, 0.0])
+    v = torch.tensor([0.01, -0.02, 0.015, 0.0, 0.01, -0.01])
+    assert explained_variance(v, r, m).item() == 0.0
+    # a small spread that is real is kept: returns near 1 with one failure, a critic that misses it
+    r = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.97])
+    v = torch.tensor([0.9, 0.95, 0.9, 0.95, 0.9, 0.95])
+    ev = explained_variance(v, r, m).item()
+    res = r - v
+    assert ev == pytest.approx(1 - res.var(unbiased=False).item() / r.var(unbiased=False).item(), rel=1e-4)
+    assert ev < 0.0
+
+
 def test_value_checks_context_skips_mask_value_check_and_restores():
     x, bad = torch.ones(2), torch.tensor([0.5, 1.0])
     with pytest.raises(ValueError, match="mask must hold only 0 and 1"):

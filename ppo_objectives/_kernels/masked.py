@@ -100,8 +100,13 @@ def explained_variance(values: Tensor, returns: Tensor, m: Tensor) -> Tensor:
     v, r = values.detach().to(cd), returns.detach().to(cd)
     var_r = masked_moments(r, m, False, None)[1]
     var_res = masked_moments(r - torch.where(m, v, 0.0), m, False, None)[1]
-    safe = torch.where(var_r > 0, var_r, torch.ones_like(var_r))
-    return torch.where(var_r > 0, 1.0 - var_res / safe, torch.zeros_like(var_r))
+    # a variance below the rounding of the numbers' own scale is rounding, not spread: the first iteration of a
+    # run that no answer solves has returns of 0 plus KL terms of 1e-8, and 1 - var_res / var_r read -3e9 there
+    n = m.sum().clamp(min=1)
+    scale = (torch.where(m, r * r + v * v, 0.0).sum() / n).clamp(min=torch.finfo(cd).tiny)
+    spread = var_r > torch.finfo(cd).eps * scale
+    safe = torch.where(spread, var_r, torch.ones_like(var_r))
+    return torch.where(spread, 1.0 - var_res / safe, torch.zeros_like(var_r))
 
 
 def normalizer(m: Tensor, aggregation: str, process_group=None) -> Tensor:
