@@ -18,9 +18,11 @@ TASK/LEVER/seedS.json``; a re-run skips the rows already there.
 
 ``--summary`` prints, per task and lever: held-out sampled accuracy at 5, 10 and 15 minutes
 (median over seeds), the minutes and the rollout answers to 0.9 of the best lever's final
-accuracy, seconds per iteration and peak memory, and ``lever - recipe`` at each mark with a
-bootstrap 95% interval over seeds (a lever of one seed has no interval of its own). ``--recipe-from DIR``
-counts the ``ppo`` rows of ``study_critic.py --results DIR`` (the same machine's) as runs of the recipe.
+accuracy, the iterations a run made, seconds per iteration and peak memory, and ``lever - recipe``
+at each mark with a bootstrap 95% interval over seeds (a lever of one seed has no interval of its
+own). ``--recipe-from DIR`` counts the ``ppo`` rows of ``study_critic.py --results DIR`` (the same
+machine's) as runs of the recipe, for the seeds whose ``recipe`` row this script has not written
+itself.
 
     python benchmarks/ablate_critic.py --model runs/smollm2 --runs chat-add2:recipe:0 chat-add2:critic-steps-2:0
     python benchmarks/ablate_critic.py --summary
@@ -81,7 +83,9 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
 
         for task, sides in study_runs(recipe_from).items():
             if task in TASKS and sides.get("ppo"):
-                runs.setdefault(task, {}).setdefault("recipe", []).extend(sides["ppo"])
+                recipe = runs.setdefault(task, {}).setdefault("recipe", [])
+                own = {r["seed"] for r in recipe}  # a seed the ablation ran itself (at its own code) wins
+                recipe.extend(r for r in sides["ppo"] if r["seed"] not in own)
     if not runs:
         print("no rows yet: run the levers first")
         return
@@ -90,8 +94,8 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print(f"\n## {task}\n")
         print("| lever | seeds | " + " | ".join(f"{m} min" for m in MARKS[1:]) +
-              f" | minutes to {target:.2f} | answers to {target:.2f} | s per iteration | peak GiB |")
-        print("|---|---|" + "---|" * (len(MARKS) - 1) + "---|---|---|---|")
+              f" | minutes to {target:.2f} | answers to {target:.2f} | iterations | s per iteration | peak GiB |")
+        print("|---|---|" + "---|" * (len(MARKS) - 1) + "---|---|---|---|---|")
         for lever, rs in sorted(levers.items(), key=lambda kv: kv[0] != "recipe"):
             cells = [f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in rs]):.3f}" for m in MARKS[1:]]
             hits = [reach(r["rows"], target) for r in rs]
@@ -99,7 +103,8 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
                             if x["iteration"] >= 1])
             of = "" if all(h[0] == h[0] for h in hits) else f" ({sum(h[0] == h[0] for h in hits)} of {len(hits)})"
             print(f"| {lever} | {len(rs)} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f}{of} | "
-                  f"{_median([h[1] for h in hits]):.0f}{of} | {secs:.1f} | "
+                  f"{_median([h[1] for h in hits]):.0f}{of} | {_median([len(r['rows']) - 1 for r in rs]):.0f} | "
+                  f"{secs:.1f} | "
                   f"{_median([r.get('peak_rss_gib', float('nan')) for r in rs]):.2f} |")
         if "recipe" in levers:
             print("\nlever - recipe, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")

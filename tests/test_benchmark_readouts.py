@@ -170,3 +170,20 @@ def test_the_lever_summary_can_take_the_recipe_from_the_studys_rows(tmp_path, ca
     summary(tmp_path / "levers", tmp_path / "study")
     out = capsys.readouterr().out
     assert "| recipe | 1 |" in out and "- turn-level (1 against 1 seeds" in out and "5 min +0.300" in out
+
+
+def test_the_lever_summary_takes_a_recipe_seed_it_ran_itself_over_the_studys(tmp_path, capsys):
+    from ablate_critic import row_path, summary
+
+    for seed, acc in ((0, 0.2), (1, 0.4)):  # the study's recipe rows, at an older code and price
+        study = tmp_path / "study" / "chat-add2" / "ppo" / f"seed{seed}.json"
+        study.parent.mkdir(parents=True, exist_ok=True)
+        study.write_text(json.dumps(dict(task="chat-add2", side="ppo", seed=seed, rows=run(0.0, *[acc] * 7))))
+    for lever, acc in (("recipe", 0.6), ("turn-level", 0.7)):  # seed 0 re-run by the ablation
+        path = row_path(tmp_path / "levers", f"chat-add2:{lever}:0")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(task="chat-add2", lever=lever, seed=0, rows=run(0.0, *[acc] * 7))))
+    summary(tmp_path / "levers", tmp_path / "study")
+    out = capsys.readouterr().out
+    # the recipe is the ablation's seed 0 (0.6) and the study's seed 1 (0.4), not the study's seed 0 as well
+    assert "| recipe | 2 |" in out and "- turn-level (1 against 2 seeds" in out and "5 min +0.200" in out
