@@ -187,3 +187,37 @@ def test_the_lever_summary_takes_a_recipe_seed_it_ran_itself_over_the_studys(tmp
     out = capsys.readouterr().out
     # the recipe is the ablation's seed 0 (0.6) and the study's seed 1 (0.4), not the study's seed 0 as well
     assert "| recipe | 2 |" in out and "- turn-level (1 against 2 seeds" in out and "5 min +0.200" in out
+
+
+def trace_rows(sampled, rewards):
+    """A trace's rows: held-out sampled accuracy after every update, the training reward before it."""
+    return [dict(iteration=i, reward=NAN if i == 0 else rewards[i - 1], eval_greedy=acc, eval_sampled=acc, seq_kl=1.0,
+                 entropy=0.5) for i, acc in enumerate(sampled)]
+
+
+def test_the_late_fall_trace_finds_the_one_update_that_falls_and_sets_the_studys_rewards_beside(tmp_path, capsys):
+    from trace_late_fall import row_path, summary
+
+    path = row_path(tmp_path / "trace", "chat-calc-sum:0")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dict(task="chat-calc-sum", seed=0, machine="cpu", rows=trace_rows(
+        [0.05, 0.6, 0.9, 0.95, 0.7, 0.9], [0.1, 0.5, 0.9, 0.95, 0.9]))))
+    study = tmp_path / "study" / "chat-calc-sum" / "ppo" / "seed0.json"
+    study.parent.mkdir(parents=True)
+    study.write_text(json.dumps(dict(task="chat-calc-sum", side="ppo", seed=0, rows=trace_rows(
+        [0.05, NAN, NAN, 0.95, NAN, 0.9], [0.1, 0.5, 0.9, 0.8, 0.9]))))
+    summary(tmp_path / "trace", tmp_path / "study")
+    out = capsys.readouterr().out
+    assert "largest one-update fall of held-out sampled accuracy: -0.250 (update 4)" in out
+    assert "standard error of a difference of two 200-problem evaluations at 0.90: 0.030" in out
+    assert "training rewards equal to the study's row at 4 of 5 iterations" in out  # iteration 4 differs
+    assert "| 4 | 0.950 | 0.800 | 0.700 | 0.700 | -0.250 | 1.00 | 0.500 |" in out
+
+
+def test_the_late_fall_trace_refuses_a_bad_run_in_one_error_line(capsys):
+    from trace_late_fall import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(Path(__file__).parent), "--runs", "chat-calc-sum:first"])
+    err = capsys.readouterr().err
+    assert "error:" in err and "TASK:SEED" in err
