@@ -23,7 +23,8 @@ accuracy, the iterations a run made, seconds per iteration and peak memory, and 
 at each mark with a bootstrap 95% interval over seeds (a lever of one seed has no interval of its
 own). ``--recipe-from DIR`` counts the ``ppo`` rows of ``study_critic.py --results DIR`` (the same
 machine's) as runs of the recipe, for the seeds whose ``recipe`` row this script has not written
-itself.
+itself. Minutes compare only within one machine: give each machine its own ``--results``; the summary
+warns when a task's rows come from more than one.
 
     python benchmarks/ablate_critic.py --model runs/smollm2 --runs chat-add2:recipe:0 chat-add2:critic-steps-2:0
     python benchmarks/ablate_critic.py --summary
@@ -94,6 +95,10 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
         print("no rows yet: run the levers first")
         return
     for task, levers in runs.items():
+        machines = sorted({r.get("machine", "unrecorded") for rs in levers.values() for r in rs})
+        if len(machines) > 1:  # minutes compare only within one machine
+            print(f"\nwarning: the {task} rows come from {len(machines)} machines ({'; '.join(machines)}): their "
+                  "minutes do not compare; give each machine its own --results (and --recipe-from)")
         finals = {k: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for k, rs in levers.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print(f"\n## {task}\n")

@@ -221,3 +221,18 @@ def test_the_late_fall_trace_refuses_a_bad_run_in_one_error_line(capsys):
         main(["--model", str(Path(__file__).parent), "--runs", "chat-calc-sum:first"])
     err = capsys.readouterr().err
     assert "error:" in err and "TASK:SEED" in err
+
+
+def test_the_lever_summary_warns_when_its_rows_come_from_two_machines(tmp_path, capsys):
+    from ablate_critic import row_path, summary
+
+    for lever, cpu in (("recipe", "Intel Xeon, 2 cores"), ("turn-level", "AMD EPYC, 2 cores")):
+        path = row_path(tmp_path, f"chat-add2:{lever}:0")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(dict(task="chat-add2", lever=lever, seed=0, machine=cpu, rows=run(0.0, *[0.5] * 7))))
+    summary(tmp_path)
+    assert "warning: the chat-add2 rows come from 2 machines (AMD EPYC, 2 cores; Intel Xeon, 2 cores)" in (
+        capsys.readouterr().out)
+    (tmp_path / "chat-add2" / "turn-level" / "seed0.json").unlink()
+    summary(tmp_path)
+    assert "warning" not in capsys.readouterr().out
