@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sides import at_minutes, check_model, machine, run_pairs, run_side, runner_arguments, write_row
+from sides import at_minutes, check_model, machine, run_side, run_specs, runner_arguments
 from study_critic import MARKS, _median, difference_line, reach
 
 HERE = Path(__file__).resolve()
@@ -132,20 +132,20 @@ def main(argv=None) -> int:
     if args.summary:
         summary(args.results, args.recipe_from)
         return 0
-    specs = [args.one_run] if args.one_run else args.runs
-    for spec in specs:
+    for spec in [args.one_run] if args.one_run else args.runs:
         task, lever, seed = (spec.split(":") + ["", ""])[:3]
         if task not in TASKS or lever not in LEVERS or not seed.isdigit():
             p.error(f"--runs {spec}: give TASK:LEVER:SEED with TASK one of {list(TASKS)} and LEVER one of "
                     f"{list(LEVERS)}, e.g. chat-add2:critic-steps-2:0")
     check_model(p, args.model)
-    if args.one_run:
-        task, lever, seed = args.one_run.split(":")
-        write_row(row_path(args.results, args.one_run), one_run(args.model, task, lever, int(seed), args.minutes))
-        return 0
-    if run_pairs(HERE, specs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
+    def run(spec: str) -> dict:
+        task, lever, seed = spec.split(":")
+        return one_run(args.model, task, lever, int(seed), args.minutes)
+
+    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
         return 1
-    summary(args.results)
+    if not args.one_run:
+        summary(args.results, args.recipe_from)
     return 0
 
 

@@ -40,11 +40,10 @@ from sides import (
     check_model,
     evaluated,
     machine,
-    run_pairs,
     run_side,
+    run_specs,
     runner_arguments,
     train_minutes,
-    write_row,
 )
 
 HERE = Path(__file__).resolve()
@@ -121,19 +120,19 @@ def main(argv=None) -> int:
         summary(args.results, not args.no_plot)
         return 0
     check_model(p, args.model)
-    runs = []
     for spec in [args.one_run] if args.one_run else args.runs:
         side, _, seed = spec.partition(":")
         if side not in SIDES or not seed.isdigit():
             p.error(f"--runs {spec}: give SIDE:SEED with SIDE one of {sorted(SIDES)}, e.g. job:0")
-        runs.append((side, int(seed)))
-    if args.one_run:
-        side, seed = runs[0]
-        write_row(row_path(args.results, args.one_run), one_run(args.model, side, seed, args.minutes))
-        return 0
-    if run_pairs(HERE, args.runs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
+
+    def run(spec: str) -> dict:
+        side, _, seed = spec.partition(":")
+        return one_run(args.model, side, int(seed), args.minutes)
+
+    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
         return 1
-    summary(args.results, not args.no_plot)
+    if not args.one_run:
+        summary(args.results, not args.no_plot)
     return 0
 
 

@@ -283,6 +283,15 @@ def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], m
     return 0
 
 
+def run_specs(script: Path, args, row_path: Callable[[str], Path], one_run: Callable[[str], dict]) -> int:
+    """A runner's work: under ``--one-run SPEC`` (the pair runner's child) that run, its row written at once; else every
+    spec of ``--runs`` not written yet, two processes at a time (:func:`run_pairs`). 1 when a run failed."""
+    if args.one_run:
+        write_row(row_path(args.one_run), one_run(args.one_run))
+        return 0
+    return run_pairs(script, args.runs, row_path, args.model, args.minutes, args.results)
+
+
 def write_row(path: Path, row: dict) -> None:
     """A finished run's row, written at once."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -51,11 +51,10 @@ from sides import (
     evaluated,
     machine,
     mark_evaluation,
-    run_pairs,
     run_side,
+    run_specs,
     runner_arguments,
     train_minutes,
-    write_row,
 )
 
 HERE = Path(__file__).resolve()
@@ -204,20 +203,20 @@ def main(argv=None) -> int:
         summary(args.results, not args.no_plot)
         return 0
     check_model(p, args.model)
-    runs = []
     for spec in [args.one_run] if args.one_run else args.runs:
         task, side, seed = (spec.split(":") + ["", ""])[:3]
         if task not in TASKS or side not in SIDES or not seed.isdigit():
             p.error(f"--runs {spec}: give TASK:SIDE:SEED with TASK one of {list(TASKS)} and SIDE one of "
                     f"{list(SIDES)}, e.g. chat-add2:ppo:0")
-        runs.append((task, side, int(seed)))
-    if args.one_run:
-        task, side, seed = runs[0]
-        write_row(row_path(args.results, args.one_run), one_run(args.model, task, side, seed, args.minutes))
-        return 0
-    if run_pairs(HERE, args.runs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
+
+    def run(spec: str) -> dict:
+        task, side, seed = spec.split(":")
+        return one_run(args.model, task, side, int(seed), args.minutes)
+
+    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
         return 1
-    summary(args.results, not args.no_plot)
+    if not args.one_run:
+        summary(args.results, not args.no_plot)
     return 0
 
 

@@ -26,7 +26,7 @@ import json
 import math
 from pathlib import Path
 
-from sides import check_model, job_run, machine, run_pairs, runner_arguments, write_row
+from sides import check_model, job_run, machine, run_specs, runner_arguments
 from study_critic import TASKS, load_runs
 
 HERE = Path(__file__).resolve()
@@ -90,19 +90,19 @@ def main(argv=None) -> int:
     if args.summary:
         summary(args.results, args.study)
         return 0
-    specs = [args.one_run] if args.one_run else args.runs
-    for spec in specs:
+    for spec in [args.one_run] if args.one_run else args.runs:
         task, seed = (spec.split(":") + [""])[:2]
         if task not in TASKS or not seed.isdigit():
             p.error(f"--runs {spec}: give TASK:SEED with TASK one of {list(TASKS)}, e.g. chat-calc-sum:0")
     check_model(p, args.model)
-    if args.one_run:
-        task, seed = args.one_run.split(":")
-        write_row(row_path(args.results, args.one_run), one_run(args.model, task, int(seed), args.minutes))
-        return 0
-    if run_pairs(HERE, specs, lambda spec: row_path(args.results, spec), args.model, args.minutes, args.results):
+    def run(spec: str) -> dict:
+        task, seed = spec.split(":")
+        return one_run(args.model, task, int(seed), args.minutes)
+
+    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
         return 1
-    summary(args.results, args.study)
+    if not args.one_run:
+        summary(args.results, args.study)
     return 0
 
 
