@@ -138,6 +138,7 @@ def main(argv=None) -> int:
             p.error(f"--runs {spec}: give TASK:LEVER:SEED with TASK one of {list(TASKS)} and LEVER one of "
                     f"{list(LEVERS)}, e.g. chat-add2:critic-steps-2:0")
     check_model(p, args.model)
+
     def run(spec: str) -> dict:
         task, lever, seed = spec.split(":")
         return one_run(args.model, task, lever, int(seed), args.minutes)
