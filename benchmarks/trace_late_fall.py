@@ -95,6 +95,7 @@ def main(argv=None) -> int:
         if task not in TASKS or not seed.isdigit():
             p.error(f"--runs {spec}: give TASK:SEED with TASK one of {list(TASKS)}, e.g. chat-calc-sum:0")
     check_model(p, args.model)
+
     def run(spec: str) -> dict:
         task, seed = spec.split(":")
         return one_run(args.model, task, int(seed), args.minutes)
