@@ -143,11 +143,7 @@ def main(argv=None) -> int:
         task, lever, seed = spec.split(":")
         return one_run(args.model, task, lever, int(seed), args.minutes)
 
-    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
-        return 1
-    if not args.one_run:
-        summary(args.results, args.recipe_from)
-    return 0
+    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, args.recipe_from))
 
 
 if __name__ == "__main__":

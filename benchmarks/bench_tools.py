@@ -129,11 +129,7 @@ def main(argv=None) -> int:
         side, _, seed = spec.partition(":")
         return one_run(args.model, side, int(seed), args.minutes)
 
-    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
-        return 1
-    if not args.one_run:
-        summary(args.results, not args.no_plot)
-    return 0
+    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, not args.no_plot))
 
 
 if __name__ == "__main__":

@@ -100,11 +100,7 @@ def main(argv=None) -> int:
         task, seed = spec.split(":")
         return one_run(args.model, task, int(seed), args.minutes)
 
-    if run_specs(HERE, args, lambda spec: row_path(args.results, spec), run):
-        return 1
-    if not args.one_run:
-        summary(args.results, args.study)
-    return 0
+    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, args.study))
 
 
 if __name__ == "__main__":
