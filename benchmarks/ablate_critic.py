@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         task, lever, seed = spec.split(":")
         return one_run(args.model, task, lever, int(seed), args.minutes)
 
-    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, args.recipe_from))
+    return run_specs(HERE, args, row_path, run, lambda: summary(args.results, args.recipe_from))
 
 
 if __name__ == "__main__":

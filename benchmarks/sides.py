@@ -283,15 +283,16 @@ def run_pairs(script: Path, specs: list[str], row_path: Callable[[str], Path], m
     return 0
 
 
-def run_specs(script: Path, args, row_path: Callable[[str], Path], one_run: Callable[[str], dict],
+def run_specs(script: Path, args, row_path: Callable[[Path, str], Path], one_run: Callable[[str], dict],
               summary: Callable[[], None]) -> int:
-    """A runner's work: under ``--one-run SPEC`` (the pair runner's child) that run, its row written at once; else every
-    spec of ``--runs`` not written yet, two processes at a time (:func:`run_pairs`), then ``summary()``. 1 when a run
-    failed."""
+    """A runner's work: under ``--one-run SPEC`` (the pair runner's child) that run, its row
+    ``row_path(args.results, SPEC)`` written at once; else every spec of ``--runs`` not written yet, two processes at a
+    time (:func:`run_pairs`), then ``summary()``. 1 when a run failed."""
+    rows_at = lambda spec: row_path(args.results, spec)  # noqa: E731
     if args.one_run:
-        write_row(row_path(args.one_run), one_run(args.one_run))
+        write_row(rows_at(args.one_run), one_run(args.one_run))
         return 0
-    if run_pairs(script, args.runs, row_path, args.model, args.minutes, args.results):
+    if run_pairs(script, args.runs, rows_at, args.model, args.minutes, args.results):
         return 1
     summary()
     return 0

@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         task, side, seed = spec.split(":")
         return one_run(args.model, task, side, int(seed), args.minutes)
 
-    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, not args.no_plot))
+    return run_specs(HERE, args, row_path, run, lambda: summary(args.results, not args.no_plot))
 
 
 if __name__ == "__main__":

@@ -61,9 +61,10 @@ def summary(results: Path, study: Path) -> None:
         previous, falls, same = None, [], []
         for r in run["rows"]:
             it = int(r["iteration"])
-            study_cell = f"{ref_reward[it]:.3f}" if it in ref_reward and it >= 1 else ""
-            if it >= 1 and it in ref_reward:
+            in_study = it >= 1 and it in ref_reward
+            if in_study:
                 same.append(ref_reward[it] == r["reward"])
+            study_cell = f"{ref_reward[it]:.3f}" if in_study else ""
             change = r["eval_sampled"] - previous if previous is not None else float("nan")
             if change == change:
                 falls.append((change, it))
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
         task, seed = spec.split(":")
         return one_run(args.model, task, int(seed), args.minutes)
 
-    return run_specs(HERE, args, lambda spec: row_path(args.results, spec), run, lambda: summary(args.results, args.study))
+    return run_specs(HERE, args, row_path, run, lambda: summary(args.results, args.study))
 
 
 if __name__ == "__main__":

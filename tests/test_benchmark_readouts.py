@@ -245,8 +245,8 @@ def test_a_runners_child_writes_its_one_runs_row_and_runs_nothing_else(tmp_path)
 
     args = Namespace(one_run="chat-add2:0", runs=["chat-add2:1"], model=tmp_path, minutes=1.0, results=tmp_path)
     seen = []
-    row = lambda spec: tmp_path / f"{spec.replace(':', '_')}.json"  # noqa: E731
+    row = lambda results, spec: results / f"{spec.replace(':', '_')}.json"  # noqa: E731
     assert run_specs(Path("no-such-script.py"), args, row, lambda spec: seen.append(spec) or {"spec": spec},
                      lambda: seen.append("summary")) == 0
-    assert seen == ["chat-add2:0"] and json.loads(row("chat-add2:0").read_text()) == {"spec": "chat-add2:0"}
-    assert not row("chat-add2:1").exists()
+    assert seen == ["chat-add2:0"] and json.loads(row(tmp_path, "chat-add2:0").read_text()) == {"spec": "chat-add2:0"}
+    assert not row(tmp_path, "chat-add2:1").exists()
