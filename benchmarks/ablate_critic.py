@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sides import at_minutes, check_model, machine, run_side, run_specs, runner_arguments
+from sides import at_minutes, check_model, machine, run_side, run_specs, runner_arguments, warn_machines
 from study_critic import MARKS, _median, difference_line, reach
 
 HERE = Path(__file__).resolve()
@@ -95,10 +95,8 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
         print("no rows yet: run the levers first")
         return
     for task, levers in runs.items():
-        machines = sorted({r.get("machine", "unrecorded") for rs in levers.values() for r in rs})
-        if len(machines) > 1:  # minutes compare only within one machine
-            print(f"\nwarning: the {task} rows come from {len(machines)} machines ({'; '.join(machines)}): their "
-                  "minutes do not compare; give each machine its own --results (and --recipe-from)")
+        warn_machines(task, [r for rs in levers.values() for r in rs],
+                      "give each machine its own --results (and --recipe-from)")
         finals = {k: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for k, rs in levers.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print(f"\n## {task}\n")

@@ -250,6 +250,14 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
+def warn_machines(task: str, runs: list[dict], fix: str = "give each machine its own --results") -> None:
+    """Print one warning when a task's rows come from more than one machine: minutes compare only within one."""
+    machines = sorted({r.get("machine", "unrecorded") for r in runs})
+    if len(machines) > 1:
+        print(f"\nwarning: the {task} rows come from {len(machines)} machines ({'; '.join(machines)}): their minutes "
+              f"do not compare; {fix}")
+
+
 def check_model(parser, model: Path) -> None:
     """``--model`` must be a checkpoint directory: else one ``error:`` line with the command that makes one."""
     if not (model / "config.json").is_file():

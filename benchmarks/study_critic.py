@@ -21,7 +21,7 @@ run is a process of its own with one torch thread, pinned to a core of its own; 
 (``--runs`` in pairs) so that both see the same load. Each finished run's row (with the machine's
 CPU) is written at once to ``benchmarks/results/critic/TASK/SIDE/seedS.json`` and a re-run skips the
 rows already there. Minutes compare only within one machine: on another, give ``--results DIR`` and
-run every side that the comparison needs there.
+run every side that the comparison needs there; the summary warns when a task's rows come from more than one.
 
 ``--summary`` prints, per task: held-out accuracy (greedy / sampled) at 0, 5, 10 and 15 minutes,
 median over seeds, each with the median training minute it was measured at (a side evaluates after
@@ -55,6 +55,7 @@ from sides import (
     run_specs,
     runner_arguments,
     train_minutes,
+    warn_machines,
 )
 
 HERE = Path(__file__).resolve()
@@ -131,6 +132,7 @@ def summary(results: Path, plot: bool) -> None:
         sides = runs.get(task)
         if not sides:
             continue
+        warn_machines(task, [r for rs in sides.values() for r in rs])
         print(f"\n## {task}\n")
         done = {s: [r for r in rs if not r.get("refused")] for s, rs in sides.items()}
         finals = {s: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}

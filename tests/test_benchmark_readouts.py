@@ -238,6 +238,21 @@ def test_the_lever_summary_warns_when_its_rows_come_from_two_machines(tmp_path, 
     assert "warning" not in capsys.readouterr().out
 
 
+def test_the_study_summary_warns_when_its_rows_come_from_two_machines(tmp_path, capsys):
+    from study_critic import row_path, summary
+
+    for side, cpu in (("ppo", "Intel Xeon, 2 cores"), ("plain", "AMD EPYC, 2 cores")):
+        path = row_path(tmp_path, f"chat-add2:{side}:0")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(dict(task="chat-add2", side=side, seed=0, machine=cpu, rows=run(0.0, *[0.5] * 7))))
+    summary(tmp_path, plot=False)
+    assert "warning: the chat-add2 rows come from 2 machines (AMD EPYC, 2 cores; Intel Xeon, 2 cores)" in (
+        capsys.readouterr().out)
+    (tmp_path / "chat-add2" / "plain" / "seed0.json").unlink()
+    summary(tmp_path, plot=False)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_a_runners_child_writes_its_one_runs_row_and_runs_nothing_else(tmp_path):
     from argparse import Namespace
 
