@@ -30,7 +30,8 @@ to reach 0.9 of the best side's final sampled accuracy (median over the seeds th
 do when not all); the iterations (optimizer steps for TRL) and
 rollout tokens of the whole run; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
-bootstrap 95% interval (seeds resampled on both sides). It draws ``benchmarks/critic_TASK.png``:
+bootstrap 95% interval (seeds resampled on both sides); where ``grpo8`` or ``rloo8`` ran, the rollout answers that
+the job (one answer per prompt) and that side needed to reach the side's final accuracy, and their ratio. It draws ``benchmarks/critic_TASK.png``:
 held-out sampled accuracy against training minutes, iterations and rollout tokens.
 
     pip install -e ".[bench]"        # TRL, outside the library's own dependencies
@@ -118,6 +119,22 @@ def reach(rows: list[dict], target: float) -> tuple[float, float]:
     return float("nan"), float("nan")
 
 
+def answers_line(side: str, ppo: list[list[dict]], grouped: list[list[dict]]) -> str:
+    """SAO's claim checked: the rollout answers the job (one answer per prompt) and a side with groups of 8 each
+    needed to reach that side's own final sampled accuracy (median over its seeds), median over the seeds that reach
+    it, and their ratio (SAO: at most 0.5). Evaluations come every 5 minutes, so a count is that of the first
+    evaluation past the target, not of the iteration that crossed it."""
+    target = _median([at_minutes(rows, "eval_sampled", MINUTES) for rows in grouped])
+    cells, counts = [], []
+    for name, runs in (("ppo", ppo), (side, grouped)):
+        hits = [reach(rows, target)[1] for rows in runs]
+        reached = sum(h == h for h in hits)
+        counts.append(_median(hits))
+        cells.append(f"{name} {counts[-1]:.0f} ({reached} of {len(hits)} seeds)")
+    return (f"- to {side}'s final {target:.3f}: " + ", ".join(cells) +
+            f"; ppo / {side} {counts[0] / counts[1] if counts[1] else float('nan'):.2f} (SAO's claim: at most 0.50)")
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -162,6 +179,12 @@ def summary(results: Path, plot: bool) -> None:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):
                 print(difference_line(side, [r["rows"] for r in done["ppo"]], [r["rows"] for r in done[side]]))
+            grouped = [s for s in ("grpo8", "rloo8") if done.get(s)]
+            if grouped:
+                print("\nrollout answers to a side's final accuracy, the job's one answer per prompt against groups of 8 "
+                      "(median over the seeds that reach it):\n")
+                for side in grouped:
+                    print(answers_line(side, [r["rows"] for r in done["ppo"]], [r["rows"] for r in done[side]]))
         if plot:
             _plot(task, done, HERE.parent if results == RESULTS else results)
 

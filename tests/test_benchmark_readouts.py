@@ -253,6 +253,35 @@ def test_the_study_summary_warns_when_its_rows_come_from_two_machines(tmp_path, 
     assert "warning" not in capsys.readouterr().out
 
 
+def test_the_answers_line_counts_each_sides_answers_to_the_grouped_sides_final_accuracy():
+    from study_critic import answers_line
+
+    ppo = [run(0.0, 0.6, *[0.6] * 7), run(0.0, 0.3, 0.7, *[0.7] * 6)]  # 32 and 64 answers to 0.6
+    grpo8 = [run(0.0, 0.2, 0.4, *[0.6] * 6), run(0.0, 0.1, 0.2, 0.5, *[0.6] * 5)]  # 96 and 128 answers
+    assert answers_line("grpo8", ppo, grpo8) == (
+        "- to grpo8's final 0.600: ppo 48 (2 of 2 seeds), grpo8 112 (2 of 2 seeds); ppo / grpo8 0.43 "
+        "(SAO's claim: at most 0.50)")
+    slow = [run(0.0, *[0.5] * 8)]  # never reaches 0.6: counted as not reached, not as zero answers
+    assert answers_line("grpo8", slow, grpo8).startswith("- to grpo8's final 0.600: ppo nan (0 of 1 seeds)")
+
+
+def test_the_study_summary_prints_the_answers_line_only_where_a_grouped_side_ran(tmp_path, capsys):
+    from study_critic import row_path, summary
+
+    for side in ("ppo", "grpo"):
+        path = row_path(tmp_path, f"chat-add2:{side}:0")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(dict(task="chat-add2", side=side, seed=0, rows=run(0.0, *[0.5] * 8))))
+    summary(tmp_path, plot=False)
+    assert "rollout answers to a side's final accuracy" not in capsys.readouterr().out
+    path = row_path(tmp_path, "chat-add2:rloo8:0")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dict(task="chat-add2", side="rloo8", seed=0, rows=run(0.0, *[0.5] * 8))))
+    summary(tmp_path, plot=False)
+    assert "- to rloo8's final 0.500: ppo 32 (1 of 1 seeds), rloo8 32 (1 of 1 seeds); ppo / rloo8 1.00" in (
+        capsys.readouterr().out)
+
+
 def test_a_runners_child_writes_its_one_runs_row_and_runs_nothing_else(tmp_path):
     from argparse import Namespace
 
