@@ -31,8 +31,8 @@ do when not all); the iterations (optimizer steps for TRL) and
 rollout tokens of the whole run; seconds per iteration; peak memory; and,
 for each other side, the difference ``ppo - side`` at 5, 10 and 15 minutes over seeds with a
 bootstrap 95% interval (seeds resampled on both sides); where ``grpo8`` or ``rloo8`` ran, the rollout answers that
-the job (one answer per prompt) and that side needed to reach the side's final accuracy, and their ratio. It draws ``benchmarks/critic_TASK.png``:
-held-out sampled accuracy against training minutes, iterations and rollout tokens.
+the job (one answer per prompt) and that side needed to reach the side's final accuracy, and their ratio. It draws
+``benchmarks/critic_TASK.png``: held-out sampled accuracy against training minutes, iterations and rollout tokens.
 
     pip install -e ".[bench]"        # TRL, outside the library's own dependencies
     python benchmarks/study_critic.py --model runs/smollm2 --runs chat-add2:ppo:0 chat-add2:grpo:0
