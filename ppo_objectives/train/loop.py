@@ -68,7 +68,8 @@ from ppo_objectives.train.distributed import (
 from ppo_objectives.train.launch import check_launch
 from ppo_objectives.train.loggers import (METRICS, append_metrics, close_logger, columns, log_row, make_logger,
                                          read_metrics, warn_line)
-from ppo_objectives.train.monitor import FLAGS, CollapseGuard, most_conversations_cut, plot_metrics
+from ppo_objectives.train.monitor import (FLAGS, CollapseGuard, most_conversations_cut, plot_metrics,
+                                          rare_first_reward)
 from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
 from ppo_objectives.train.text_job import EVAL_COLUMNS, EVAL_TURN_COLUMNS
 from ppo_objectives.train.update import ppo_update
@@ -145,6 +146,9 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
                 warn_line(f"iteration {it + 1}: {row['env_turns_cut']} environment turns did not fit --max-new-tokens "
                           f"{cfg.max_new_tokens} ({row['episodes']:g} conversations); each ended its episode there "
                           f"(truncated, scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
+            cold = cfg.multi_turn and not cfg.critic_free and not cfg.critic_warmup  # a critic at its initial value
+            if cold and not most_conversations_cut(row) and (rare := rare_first_reward(row, run.guard.reward_floor)):
+                warn_line(rare, bar)
             if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)
                 run.collector.update_policy_weights_()
             release_host_memory()  # plumbing: the freed host memory of the rollout and update, back to the system

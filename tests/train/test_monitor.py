@@ -9,7 +9,7 @@ from _flags import SMALL
 from ppo_objectives import train as T
 from ppo_objectives.train import loop
 from ppo_objectives.train.digit import DigitTask
-from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics, rare_first_reward
 
 HEALTHY = dict(reward=0.4, exact=0.1, response_len=4.0, entropy=1.5, kl_approx_max=0.05, kl_token_max=9.0,
                rolled_back=0)  # a large per-token maximum alone is no spike
@@ -137,10 +137,31 @@ def test_a_collapsing_run_says_so_counts_it_and_keeps_its_checkpoint(tmp_path, m
     err = capsys.readouterr().err
     assert "WARNING ppo: iteration 1: zero_reward (reward 0.000)" in err
     assert "WARNING ppo: iteration 5: COLLAPSE: 5 bad iterations in a row (zero_reward" in err
+    assert "critic starts cold" not in err  # a single-turn task: rare first rewards are no warning of their own
     rows = T.read_metrics(tmp_path / "metrics.csv")
     assert [r["warn_zero_reward"] for r in rows] == [1.0] * 6
     assert [r["collapse"] for r in rows] == [0, 0, 0, 0, 1, 1]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["collapse_guard"]["collapses"] == 1
+
+
+@pytest.mark.parametrize(
+    "row, floor, said",
+    [
+        (dict(iteration=1, reward=0.026), 0.05, True),
+        (dict(iteration=1, reward=0.0), 0.01, True),
+        (dict(iteration=1, reward=0.05), 0.05, False),  # at the floor: not rare
+        (dict(iteration=1, reward=0.02), 0.01, False),
+        (dict(iteration=2, reward=0.0), 0.05, False),  # only the first iteration
+        (dict(iteration=1, reward=math.nan), 0.05, False),  # no reward logged
+        (dict(iteration=1), 0.05, False),
+    ],
+)
+def test_rare_first_reward_warns_only_on_a_first_iteration_below_the_floor(row, floor, said):
+    line = rare_first_reward(row, floor)
+    assert (line is not None) == said
+    if said:
+        assert line.startswith(f"iteration 1: reward {row['reward']:.3f} is below {floor:g} and the critic starts cold")
+        assert "--critic-warmup 2" in line
 
 
 def test_resume_of_a_collapsing_run_continues_its_streak(tmp_path, monkeypatch):

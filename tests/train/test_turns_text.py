@@ -184,6 +184,22 @@ def test_a_tool_turn_that_does_not_fit_is_counted_and_warned_about(tmp_path, cha
     assert "environment turns did not fit --max-new-tokens 24" in capsys.readouterr().err
 
 
+def test_a_cold_critic_on_a_multi_turn_task_with_rare_rewards_is_warned_once(tmp_path, chat_model_dir, capsys):
+    from ppo_objectives import train as T
+
+    inputs = _jsonl(tmp_path)
+    (tmp_path / "r.py").write_text("def f(completion, answer, messages):\n    return 0.0\n")  # no episode rewarded
+    for warmup, iterations, said in ((0, 2, 1), (1, 1, 0)):
+        cfg = T.TrainConfig(model=str(chat_model_dir), iterations=iterations, num_envs=4, max_new_tokens=48,
+                            max_turn_tokens=6, critic_warmup=warmup, out=str(tmp_path / f"run{warmup}"),
+                            no_progress=True, no_plot=True, **inputs)
+        assert [r["turns"] for r in T.train(cfg)[1:]] == [2.0] * iterations  # every episode fit its tool turn
+        err = capsys.readouterr().err
+        assert err.count("critic starts cold") == said, warmup  # once, at iteration 1; never with a warm-up
+        if said:
+            assert "WARNING ppo: iteration 1: reward 0.000 is below 0.05 and the critic starts cold" in err
+
+
 def test_a_run_whose_budget_cuts_most_conversations_says_so_where_the_user_looks(tmp_path, chat_model_dir, capsys):
     from ppo_objectives import train as T
     from ppo_objectives.train.text import CUT_MARK
@@ -199,6 +215,7 @@ def test_a_run_whose_budget_cuts_most_conversations_says_so_where_the_user_looks
         assert re.search(rf"iteration {it}: \d+ environment turns did not fit --max-new-tokens 24 \(\d+ conversations\)", err)
     assert re.search(r"iteration 1: zero_reward \(reward 0.000; \d+ environment turns cut by the token budget "
                      r"\(env_turns_cut\): raise --max-new-tokens\)", err)
+    assert "critic starts cold" not in err  # the budget is the cause, and the warnings above name it
     assert (f"MOST CONVERSATIONS CUT in 2 of 2 iterations (env_turns_cut {cut} of {rows[-1]['episodes']:g} in iteration "
             f"2): raise --max-new-tokens 24") in out
     samples = (tmp_path / "run" / "samples.txt").read_text()
