@@ -189,13 +189,15 @@ def test_a_cold_critic_on_a_multi_turn_task_with_rare_rewards_is_warned_once(tmp
 
     inputs = _jsonl(tmp_path)
     (tmp_path / "r.py").write_text("def f(completion, answer, messages):\n    return 0.0\n")  # no episode rewarded
-    for warmup, iterations, said in ((0, 2, 1), (1, 1, 0)):
+    # once, at iteration 1 of a cold critic; never with a warm-up, nor without a critic
+    for i, (flags, iterations, said) in enumerate([({}, 2, 1), (dict(critic_warmup=1), 1, 0),
+                                                   (dict(advantage="rloo"), 1, 0)]):
         cfg = T.TrainConfig(model=str(chat_model_dir), iterations=iterations, num_envs=4, max_new_tokens=48,
-                            max_turn_tokens=6, critic_warmup=warmup, out=str(tmp_path / f"run{warmup}"),
-                            no_progress=True, no_plot=True, **inputs)
+                            max_turn_tokens=6, out=str(tmp_path / f"run{i}"), no_progress=True, no_plot=True,
+                            **flags, **inputs)
         assert [r["turns"] for r in T.train(cfg)[1:]] == [2.0] * iterations  # every episode fit its tool turn
         err = capsys.readouterr().err
-        assert err.count("critic starts cold") == said, warmup  # once, at iteration 1; never with a warm-up
+        assert err.count("critic starts cold") == said, flags
         if said:
             assert "WARNING ppo: iteration 1: reward 0.000 is below 0.05 and the critic starts cold" in err
 
