@@ -35,7 +35,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sides import at_minutes, check_model, machine, run_side, run_specs, runner_arguments, warn_machines
+from sides import (at_minutes, check_model, machine, reach_cell, run_side, run_specs, runner_arguments,
+                   warn_machines)
 from study_critic import MARKS, _median, difference_line, reach
 
 HERE = Path(__file__).resolve()
@@ -108,9 +109,8 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
             hits = [reach(r["rows"], target) for r in rs]
             secs = _median([x["rollout_s"] + x["reference_s"] + x["update_s"] for r in rs for x in r["rows"]
                             if x["iteration"] >= 1])
-            of = "" if all(h[0] == h[0] for h in hits) else f" ({sum(h[0] == h[0] for h in hits)} of {len(hits)})"
-            print(f"| {lever} | {len(rs)} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f}{of} | "
-                  f"{_median([h[1] for h in hits]):.0f}{of} | {_median([len(r['rows']) - 1 for r in rs]):.0f} | "
+            print(f"| {lever} | {len(rs)} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f', '')} | "
+                  f"{reach_cell([h[1] for h in hits], '.0f', '')} | {_median([len(r['rows']) - 1 for r in rs]):.0f} | "
                   f"{secs:.1f} | "
                   f"{_median([r.get('peak_rss_gib', float('nan')) for r in rs]):.2f} |")
         if "recipe" in levers:

@@ -21,6 +21,7 @@ on evaluated rows, ``eval_greedy`` / ``eval_sampled`` (and ``eval_tool_calls`` o
 from __future__ import annotations
 
 import json
+import statistics
 import resource
 import subprocess
 import sys
@@ -214,6 +215,20 @@ def at_minutes(rows: list[dict], key: str, minute: float) -> float:
     """The held-out ``key`` of the evaluation made for the mark ``minute`` (:func:`mark_evaluation`); nan if none."""
     row = mark_evaluation(rows, minute)[1]
     return row[key] if evaluated(row, key) else float("nan")
+
+
+def reach_cell(hits: list[float], fmt: str, unit: str = " seeds", count: bool = False) -> str:
+    """A table cell for what the runs needed to reach a target (minutes, answers; nan where a run never reached
+    it): the median over the runs that reached it, "not reached" where none did, and "(k of n)" when some did
+    not (always, with ``count``).
+
+    Example:
+        >>> reach_cell([9.4, float("nan"), 10.0], ".1f"), reach_cell([float("nan")], ".0f"), reach_cell([3.0], ".0f")
+        ('9.7 (2 of 3 seeds)', 'not reached (0 of 1 seeds)', '3')
+    """
+    reached = [h for h in hits if h == h]
+    of = "" if len(reached) == len(hits) and not count else f" ({len(reached)} of {len(hits)}{unit})"
+    return (format(statistics.median(reached), fmt) if reached else "not reached") + of
 
 
 def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str, results: Path):

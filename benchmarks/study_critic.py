@@ -52,6 +52,7 @@ from sides import (
     evaluated,
     machine,
     mark_evaluation,
+    reach_cell,
     run_side,
     run_specs,
     runner_arguments,
@@ -128,9 +129,8 @@ def answers_line(side: str, ppo: list[list[dict]], grouped: list[list[dict]]) ->
     cells, counts = [], []
     for name, runs in (("ppo", ppo), (side, grouped)):
         hits = [reach(rows, target)[1] for rows in runs]
-        reached = sum(h == h for h in hits)
         counts.append(_median(hits))
-        cells.append(f"{name} {counts[-1]:.0f} ({reached} of {len(hits)} seeds)")
+        cells.append(f"{name} {reach_cell(hits, '.0f', count=True)}")
     return (f"- to {side}'s final {target:.3f}: " + ", ".join(cells) +
             f"; ppo / {side} {counts[0] / counts[1] if counts[1] else float('nan'):.2f} (SAO's claim: at most 0.50)")
 
@@ -171,10 +171,8 @@ def summary(results: Path, plot: bool) -> None:
             peak = _median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
             its = _median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
             tokens = _median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
-            reached = sum(h[0] == h[0] for h in hits)
-            of = "" if reached == len(hits) else f" ({reached} of {len(hits)} seeds)"
-            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {_median([h[0] for h in hits]):.1f}{of} | "
-                  f"{_median([h[1] for h in hits]):.0f}{of} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
+            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f')} | "
+                  f"{reach_cell([h[1] for h in hits], '.0f')} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
         if "ppo" in done and done["ppo"]:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from sides import at_minutes, mark_evaluation, train_minutes  # noqa: E402
+from sides import at_minutes, mark_evaluation, reach_cell, train_minutes  # noqa: E402
 from study_critic import bootstrap_diff, reach  # noqa: E402
 
 NAN = float("nan")
@@ -253,6 +253,21 @@ def test_the_study_summary_warns_when_its_rows_come_from_two_machines(tmp_path, 
     assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "hits, kw, cell",
+    [
+        ([9.4, float("nan"), 10.0], {}, "9.7 (2 of 3 seeds)"),  # the median of the runs that reached it
+        ([float("nan"), float("nan")], {}, "not reached (0 of 2 seeds)"),  # never "nan"
+        ([3.0, 5.0], {}, "4"),  # all reached: no count
+        ([3.0, 5.0], dict(count=True), "4 (2 of 2 seeds)"),
+        ([3.0, float("nan")], dict(unit=""), "3 (1 of 2)"),
+    ],
+)
+def test_a_reach_cell_says_how_many_runs_reached_the_target_and_never_prints_nan(hits, kw, cell):
+    fmt = ".1f" if cell.startswith("9.7") else ".0f"
+    assert reach_cell(hits, fmt, **kw) == cell
+
+
 def test_the_answers_line_counts_each_sides_answers_to_the_grouped_sides_final_accuracy():
     from study_critic import answers_line
 
@@ -262,7 +277,7 @@ def test_the_answers_line_counts_each_sides_answers_to_the_grouped_sides_final_a
         "- to grpo8's final 0.600: ppo 48 (2 of 2 seeds), grpo8 112 (2 of 2 seeds); ppo / grpo8 0.43 "
         "(SAO's claim: at most 0.50)")
     slow = [run(0.0, *[0.5] * 8)]  # never reaches 0.6: counted as not reached, not as zero answers
-    assert answers_line("grpo8", slow, grpo8).startswith("- to grpo8's final 0.600: ppo nan (0 of 1 seeds)")
+    assert answers_line("grpo8", slow, grpo8).startswith("- to grpo8's final 0.600: ppo not reached (0 of 1 seeds)")
 
 
 def test_the_study_summary_prints_the_answers_line_only_where_a_grouped_side_ran(tmp_path, capsys):
