@@ -35,9 +35,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sides import (at_minutes, check_model, machine, reach_cell, run_side, run_specs, runner_arguments,
+from sides import (at_minutes, check_model, machine, median, reach_cell, run_side, run_specs, runner_arguments,
                    warn_machines)
-from study_critic import MARKS, _median, difference_line, reach
+from study_critic import MARKS, difference_line, reach
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic_levers"
@@ -98,21 +98,21 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
     for task, levers in runs.items():
         warn_machines(task, [r for rs in levers.values() for r in rs],
                       "give each machine its own --results (and --recipe-from)")
-        finals = {k: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for k, rs in levers.items()}
+        finals = {k: median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for k, rs in levers.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print(f"\n## {task}\n")
         print("| lever | seeds | " + " | ".join(f"{m} min" for m in MARKS[1:]) +
               f" | minutes to {target:.2f} | answers to {target:.2f} | iterations | s per iteration | peak GiB |")
         print("|---|---|" + "---|" * (len(MARKS) - 1) + "---|---|---|---|---|")
         for lever, rs in sorted(levers.items(), key=lambda kv: kv[0] != "recipe"):
-            cells = [f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in rs]):.3f}" for m in MARKS[1:]]
+            cells = [f"{median([at_minutes(r['rows'], 'eval_sampled', m) for r in rs]):.3f}" for m in MARKS[1:]]
             hits = [reach(r["rows"], target) for r in rs]
-            secs = _median([x["rollout_s"] + x["reference_s"] + x["update_s"] for r in rs for x in r["rows"]
+            secs = median([x["rollout_s"] + x["reference_s"] + x["update_s"] for r in rs for x in r["rows"]
                             if x["iteration"] >= 1])
             print(f"| {lever} | {len(rs)} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f', '')} | "
-                  f"{reach_cell([h[1] for h in hits], '.0f', '')} | {_median([len(r['rows']) - 1 for r in rs]):.0f} | "
+                  f"{reach_cell([h[1] for h in hits], '.0f', '')} | {median([len(r['rows']) - 1 for r in rs]):.0f} | "
                   f"{secs:.1f} | "
-                  f"{_median([r.get('peak_rss_gib', float('nan')) for r in rs]):.2f} |")
+                  f"{median([r.get('peak_rss_gib', float('nan')) for r in rs]):.2f} |")
         if "recipe" in levers:
             print("\nlever - recipe, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             recipe = [r["rows"] for r in levers["recipe"]]

@@ -21,8 +21,8 @@ on evaluated rows, ``eval_greedy`` / ``eval_sampled`` (and ``eval_tool_calls`` o
 from __future__ import annotations
 
 import json
-import statistics
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,6 +217,18 @@ def at_minutes(rows: list[dict], key: str, minute: float) -> float:
     return row[key] if evaluated(row, key) else float("nan")
 
 
+def median(xs: list[float]) -> float:
+    """The median of the values that are not nan (a run that never reached a target, a mark never evaluated);
+    nan when none is.
+
+    Example:
+        >>> median([3.0, float("nan"), 5.0]), median([float("nan")])
+        (4.0, nan)
+    """
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
 def reach_cell(hits: list[float], fmt: str, unit: str = " seeds", count: bool = False) -> str:
     """A table cell for what the runs needed to reach a target (minutes, answers; nan where a run never reached
     it): the median over the runs that reached it, "not reached" where none did, and "(k of n)" when some did
@@ -226,9 +238,9 @@ def reach_cell(hits: list[float], fmt: str, unit: str = " seeds", count: bool = 
         >>> reach_cell([9.4, float("nan"), 10.0], ".1f"), reach_cell([float("nan")], ".0f"), reach_cell([3.0], ".0f")
         ('9.7 (2 of 3 seeds)', 'not reached (0 of 1 seeds)', '3')
     """
-    reached = [h for h in hits if h == h]
-    of = "" if len(reached) == len(hits) and not count else f" ({len(reached)} of {len(hits)}{unit})"
-    return (format(statistics.median(reached), fmt) if reached else "not reached") + of
+    reached = sum(h == h for h in hits)
+    of = "" if reached == len(hits) and not count else f" ({reached} of {len(hits)}{unit})"
+    return (format(median(hits), fmt) if reached else "not reached") + of
 
 
 def runner_arguments(doc: str, default_runs: list[str], minutes: float, spec: str, results: Path):

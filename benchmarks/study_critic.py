@@ -52,6 +52,7 @@ from sides import (
     evaluated,
     machine,
     mark_evaluation,
+    median,
     reach_cell,
     run_side,
     run_specs,
@@ -125,19 +126,14 @@ def answers_line(side: str, ppo: list[list[dict]], grouped: list[list[dict]]) ->
     needed to reach that side's own final sampled accuracy (median over its seeds), median over the seeds that reach
     it, and their ratio (SAO: at most 0.5). Evaluations come every 5 minutes, so a count is that of the first
     evaluation past the target, not of the iteration that crossed it."""
-    target = _median([at_minutes(rows, "eval_sampled", MINUTES) for rows in grouped])
+    target = median([at_minutes(rows, "eval_sampled", MINUTES) for rows in grouped])
     cells, counts = [], []
     for name, runs in (("ppo", ppo), (side, grouped)):
         hits = [reach(rows, target)[1] for rows in runs]
-        counts.append(_median(hits))
+        counts.append(median(hits))
         cells.append(f"{name} {reach_cell(hits, '.0f', count=True)}")
     return (f"- to {side}'s final {target:.3f}: " + ", ".join(cells) +
             f"; ppo / {side} {counts[0] / counts[1] if counts[1] else float('nan'):.2f} (SAO's claim: at most 0.50)")
-
-
-def _median(xs: list[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
 
 
 def summary(results: Path, plot: bool) -> None:
@@ -152,7 +148,7 @@ def summary(results: Path, plot: bool) -> None:
         warn_machines(task, [r for rs in sides.values() for r in rs])
         print(f"\n## {task}\n")
         done = {s: [r for r in rs if not r.get("refused")] for s, rs in sides.items()}
-        finals = {s: _median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}
+        finals = {s: median([at_minutes(r["rows"], "eval_sampled", MINUTES) for r in rs]) for s, rs in done.items()}
         target = 0.9 * max((v for v in finals.values() if v == v), default=float("nan"))
         print("| side | seeds | " + " | ".join(f"{m} min" for m in MARKS) + " | "
               f"minutes to {target:.2f} | samples to "
@@ -162,15 +158,15 @@ def summary(results: Path, plot: bool) -> None:
             if not done[side]:
                 print(f"| {side} | refused: {rs[0]['refused'][:160]} |")
                 continue
-            cells = [f"{_median([at_minutes(r['rows'], 'eval_greedy', m) for r in done[side]]):.3f} / "
-                     f"{_median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f} "
-                     f"({_median([mark_evaluation(r['rows'], m)[0] for r in done[side]]):.1f})" for m in MARKS]
+            cells = [f"{median([at_minutes(r['rows'], 'eval_greedy', m) for r in done[side]]):.3f} / "
+                     f"{median([at_minutes(r['rows'], 'eval_sampled', m) for r in done[side]]):.3f} "
+                     f"({median([mark_evaluation(r['rows'], m)[0] for r in done[side]]):.1f})" for m in MARKS]
             hits = [reach(r["rows"], target) for r in done[side]]
-            secs = _median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
+            secs = median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
                             for r_ in r["rows"] if r_["iteration"] >= 1])
-            peak = _median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
-            its = _median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
-            tokens = _median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
+            peak = median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
+            its = median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
+            tokens = median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
             print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f')} | "
                   f"{reach_cell([h[1] for h in hits], '.0f')} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
         if "ppo" in done and done["ppo"]:
