@@ -9,7 +9,9 @@ and after the first iteration past every 5 training minutes), 15 training minute
   policy step, critic-only warm-up iterations, a larger critic learning rate, a lambda of the
   policy's own (decoupled; length-adaptive), a critic with a trunk of its own (all of it trained,
   its attention frozen, or its top layers only), and GAE over turns instead of tokens;
-- the best combination of the screens (``floor-0.9-warmup-2``).
+- the best combination of the screens (``floor-0.9-warmup-2``);
+- on the multi-turn task, the recipe without the warm-up it gives a cold critic when the first
+  iteration's rewards are rare (``rare-reward-warmup-0``: the recipe as it was before that default).
 
 Screening runs one seed of every lever per task; the levers that move held-out sampled accuracy
 by 0.05 or more then run seeds 1 and 2 (``--runs TASK:LEVER:SEED ...``). Each run is a process
@@ -60,6 +62,9 @@ LEVERS: dict[str, list[str]] = {
     # the combination that the chat-add2 screens chose (VAPO's pair: value pretraining and a policy lambda below the
     # critic's; the own-trunk screen moved as much but costs 1.3x the time per iteration)
     "floor-0.9-warmup-2": ["--length-alpha", "0.05", "--length-floor", "0.9", "--critic-warmup", "2"],
+    # multi-turn tasks: the recipe before it warmed a cold critic up where the first rewards are rare (its rows on
+    # chat-calc-sum were written as the recipe's, and moved here when the default changed)
+    "rare-reward-warmup-0": ["--rare-reward-warmup", "0"],
 }
 
 

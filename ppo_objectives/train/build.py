@@ -29,7 +29,7 @@ from ppo_objectives.train.config import TrainConfig
 from ppo_objectives.train.digit import DigitTask, warm_start
 from ppo_objectives.train.distributed import Dist, fsdp_stateful, gathered_for_rollout, shard_fsdp, wrap_ddp
 from ppo_objectives.train.loggers import columns, truncate_metrics
-from ppo_objectives.train.monitor import CollapseGuard
+from ppo_objectives.train.monitor import CollapseGuard, CriticWarmup
 from ppo_objectives.train.pretrained import load_causal_lm, load_policy_model
 from ppo_objectives.train.ray_collector import make_ray_collector
 from ppo_objectives.train.rollout import RETURN_KEY
@@ -247,6 +247,7 @@ class Run:
         loss_module: the :class:`~ppo_objectives.loss.TokenPPOLoss` of the update.
         optimizers: ``(actor AdamW, critic AdamW)``; a callback may change their learning rates.
         guard: the :class:`~ppo_objectives.train.monitor.CollapseGuard` that writes the ``warn_*`` columns.
+        warmup: the :class:`~ppo_objectives.train.monitor.CriticWarmup`: which iterations train the critic alone.
         stateful: what ``checkpoint.pt`` holds, by name (``state_dict()`` of each).
         gen: the update's generator (minibatch permutations).
         start_it: the iteration this process started from (the checkpoint's with ``--resume``, else 0).
@@ -272,6 +273,7 @@ class Run:
     loss_module: TokenPPOLoss
     optimizers: tuple
     guard: CollapseGuard
+    warmup: CriticWarmup
     stateful: dict
     gen: torch.Generator
     start_it: int = 0
@@ -322,11 +324,12 @@ def build(cfg: TrainConfig, d: Dist) -> Run:
     optimizers = (torch.optim.AdamW(ac.actor_parameters(), lr=cfg.lr, weight_decay=0.0),
                   torch.optim.AdamW(ac.critic_parameters(), lr=cfg.critic_lr, weight_decay=0.0))
     guard = CollapseGuard(stall_patience=cfg.stall_patience)
-    stateful = _stateful(ac, ref, optimizers, controller, guard)  # what a checkpoint holds, by name
+    warmup = CriticWarmup(cfg.critic_warmup, cfg.rare_reward_warmup, guard.reward_floor)
+    stateful = _stateful(ac, ref, optimizers, controller, guard, warmup)  # what a checkpoint holds, by name
     if cfg.fsdp:  # full state dicts, gathered on rank 0 and scattered back by --resume
         stateful = fsdp_stateful(stateful, ac)
     run = Run(cfg, d, out, device, task, env, ac, ref, ddp_wrappers, controller, kl_transform, gae, loss_module,
-               optimizers, guard, stateful, gen, input_sha256=input_sha256)
+               optimizers, guard, warmup, stateful, gen, input_sha256=input_sha256)
     if cfg.recipe == "pretrained":  # held-out accuracy; its sampling generator is checkpointed
         run.evaluation = stateful["evaluation"] = text_job.HeldOutEvaluation(held_out, cfg, out, d.main)
         run.next_eval_s = 60.0 * cfg.eval_minutes
@@ -375,12 +378,13 @@ def _reference(cfg: TrainConfig, task, ac: ActorCritic, P: int, device) -> Tenso
                             temperature=cfg.temperature)  # the KL penalty compares both at --temperature
 
 
-def _stateful(ac: ActorCritic, ref: TensorDictModule | None, optimizers, controller, guard: CollapseGuard) -> dict:
+def _stateful(ac: ActorCritic, ref: TensorDictModule | None, optimizers, controller, guard: CollapseGuard,
+              warmup: CriticWarmup) -> dict:
     """The objects whose ``state_dict()`` a checkpoint holds, under their names in it (loaded in this order)."""
     reference = {} if ref is None else dict(reference=ref.module.model)
     return dict(actor_model=ac.actor_model, critic_model=ac.critic_model, critic_head=ac.critic_head,
                 **reference, actor_opt=optimizers[0], critic_opt=optimizers[1],
-                kl_controller=controller, collapse_guard=guard)
+                kl_controller=controller, collapse_guard=guard, critic_warmup=warmup)
 
 
 def _resume(ckpt: dict, stateful: dict, d: Dist, out: Path, columns: tuple) -> int:

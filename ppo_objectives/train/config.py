@@ -47,11 +47,12 @@ def _f(default, help, **kw):
 RECIPES: dict[str, dict] = {
     "toy": dict(iterations=300, num_envs=64, warmup_steps=150, lr=3e-4, critic_lr=1e-3, ppo_epochs=4, minibatches=4,
                 kl_reward_coeff=0.02, save_every=25, threads=1, max_new_tokens=None, eval_every=0, critic_warmup=0,
-                stall_patience=100, shared_trunk=False, average_gae=True, lmbda=0.95, rollback=True, micro_batches=1),
+                rare_reward_warmup=0, stall_patience=100, shared_trunk=False, average_gae=True, lmbda=0.95,
+                rollback=True, micro_batches=1),
     "pretrained": dict(iterations=30, num_envs=32, warmup_steps=0, lr=2e-5, critic_lr=1e-3, ppo_epochs=1,
                        minibatches=2, kl_reward_coeff=0.01, save_every=10, threads=0, max_new_tokens=16, eval_every=5,
-                       critic_warmup=0, stall_patience=15, shared_trunk=True, average_gae=False, lmbda=1.0,
-                       rollback=False, micro_batches=1),
+                       critic_warmup=0, rare_reward_warmup=0, stall_patience=15, shared_trunk=True, average_gae=False,
+                       lmbda=1.0, rollback=False, micro_batches=1),
 }  # fmt: skip
 
 
@@ -67,11 +68,12 @@ ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "reinforce++")
 #: What each critic-free method expects, for the flags left unset: GRPO (DeepSeekMath) a k3 KL in the loss at
 #: 0.04 and per-sequence token means; Dr. GRPO no KL and a constant normaliser (no length or std bias); RLOO and
 #: REINFORCE++ the KL in the reward (k1 per token, as the job's PPO), token means.
+#: None has a critic to warm up (``rare_reward_warmup`` 0).
 ADVANTAGE_DEFAULTS: dict[str, dict] = {
-    "grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.04, aggregation="seq-mean-token-mean"),
-    "dr_grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.0, aggregation="token-sum-norm"),
-    "rloo": dict(kl_to_ref_coeff=0.0, aggregation="token-mean"),
-    "reinforce++": dict(kl_to_ref_coeff=0.0, aggregation="token-mean"),
+    "grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.04, aggregation="seq-mean-token-mean", rare_reward_warmup=0),
+    "dr_grpo": dict(kl_reward_coeff=0.0, kl_to_ref_coeff=0.0, aggregation="token-sum-norm", rare_reward_warmup=0),
+    "rloo": dict(kl_to_ref_coeff=0.0, aggregation="token-mean", rare_reward_warmup=0),
+    "reinforce++": dict(kl_to_ref_coeff=0.0, aggregation="token-mean", rare_reward_warmup=0),
 }
 
 
@@ -88,11 +90,13 @@ MULTI_TURN_TASKS = ("chat-calc", "chat-calc-sum")
 #: tool turns of about 15. Four minibatches: its rows are about 175 tokens (a 95-token prompt with the worked
 #: exchange), three times chat-add1's, and two minibatches of them outgrew 24 GiB of host memory in the update.
 #: ``chat-word`` answers with their working: 64 tokens, four times chat-add2's 16.
+#: Multi-turn tasks warm a cold critic up for two iterations when the first iteration's rewards are rare
+#: (``--rare-reward-warmup``; :class:`~ppo_objectives.train.monitor.CriticWarmup` has the measurement).
 TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns=3, max_turn_tokens=16,
-                                                    minibatches=4),
+                                                    minibatches=4, rare_reward_warmup=2),
                                  # two calls and the answer, and one turn to spare: four turns of up to 16 tokens
                                  "chat-calc-sum": dict(max_new_tokens=128, max_turns=4, max_turn_tokens=16,
-                                                       minibatches=4),
+                                                       minibatches=4, rare_reward_warmup=2),
                                  # 64-token answers after a three-message prompt: the update's activations of a
                                  # 16-row minibatch peaked above the plain loop's, 4 slices of 4 rows below it
                                  "chat-word": dict(max_new_tokens=64, micro_batches=4)}
@@ -102,7 +106,7 @@ TASK_DEFAULTS: dict[str, dict] = {"chat-calc": dict(max_new_tokens=80, max_turns
 #: replies were cut: held-out greedy 0.000, against 0.955 at 80; ``benchmarks/tool_budget.py``), and its four
 #: minibatches for rows that long. The turns stay free (``--max-turns 0``, ``--max-turn-tokens 0``): the tool
 #: decides when the episode ends.
-TOOL_DEFAULTS: dict[str, int] = dict(max_new_tokens=80, minibatches=4)
+TOOL_DEFAULTS: dict[str, int] = dict(max_new_tokens=80, minibatches=4, rare_reward_warmup=2)
 
 
 TASKS = (*DIGIT_TASKS, *TEXT_TASKS)
@@ -202,6 +206,10 @@ class TrainConfig:
     critic_lr: float = _rf("critic_lr", "critic AdamW learning rate")
     critic_warmup: int = _rf("critic_warmup", "iterations that train the critic only (the actor stays as it is) "
                                               "before the PPO updates start")
+    rare_reward_warmup: int = _rf("rare_reward_warmup", "multi-turn tasks with a critic and no --critic-warmup: "
+                                  "critic-only iterations from the first when its mean reward is below 0.05 (a cold "
+                                  "critic's first update learns from a few rewarded episodes alone; docs/critic.md); "
+                                  "default 2 on multi-turn tasks, 0 turns it off")
     critic_steps: int = _f(1, "critic passes per policy pass: the first steps the critic beside the policy, each "
                               "other is a pass of critic-only steps over the same minibatches (SAO: 2)")
     critic_train: str = _f("all", "what of the critic's own trunk (--no-shared-trunk) trains: all, no-attention (its "
@@ -325,8 +333,10 @@ class TrainConfig:
             raise ValueError("--iterations 0 runs no PPO iteration, so nothing would be trained or written; give "
                              "--iterations 1 or more (--resume continues a run up to --iterations)")
         for name in ("iterations", "num_envs", "workers", "ppo_epochs", "minibatches", "micro_batches", "save_every",
-                     "seed", "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup", "stall_patience"):
-            low = 0 if name in ("seed", "warmup_steps", "threads", "eval_every", "critic_warmup") else 1
+                     "seed", "warmup_steps", "threads", "eval_every", "eval_samples", "critic_warmup",
+                     "rare_reward_warmup", "stall_patience"):
+            low = 0 if name in ("seed", "warmup_steps", "threads", "eval_every", "critic_warmup",
+                                "rare_reward_warmup") else 1
             _validate.check_int(name, getattr(self, name), low=low, where="TrainConfig ")
         if not _validate.is_real(self.eval_minutes, low=0.0):
             raise ValueError(f"TrainConfig eval_minutes={self.eval_minutes!r} must be a number of minutes >= 0")
@@ -379,6 +389,7 @@ class TrainConfig:
         if self.critic_free:
             given = [f"--{n.replace('_', '-')}" for n in ("policy_lmbda", "length_alpha") if getattr(self, n) is not None]
             given += ["--critic-warmup"] if self.critic_warmup else []
+            given += ["--rare-reward-warmup"] if self.rare_reward_warmup else []
             given += ["--critic-steps"] if self.critic_steps != 1 else []
             given += ["--critic-train"] if self.critic_train != "all" else []
             given += ["--gae-level"] if self.gae_level != "token" else []
@@ -475,6 +486,8 @@ class TrainConfig:
         if not self.multi_turn:
             if self.holes != "skip":
                 given.append(("--holes", self.holes))
+            if self.rare_reward_warmup:
+                given.append(("--rare-reward-warmup", self.rare_reward_warmup))
             if given:
                 raise ValueError(f"{given[0][0]} is for the turns of a multi-turn task, and --task {self.task} has "
                                  f"one turn; use a multi-turn task (--task chat-calc, or --task jsonl with --tool "
@@ -573,7 +586,8 @@ _GROUP_MEMBERS = {
             "aggregation", "early_stop_kl",
             "rollback", "max_grad_norm"),
     "KL": ("kl_reward_coeff", "adaptive_kl", "kl_target", "kl_to_ref_coeff"),
-    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "critic_steps",
+    "critic": ("advantage", "group_size", "shared_trunk", "critic_lr", "critic_warmup", "rare_reward_warmup",
+               "critic_steps",
                "critic_train", "clip_value", "critic_coeff",
                "gamma", "lmbda", "average_gae", "holes", "gae_level", "policy_lmbda", "length_alpha",
                "length_floor"),

@@ -68,8 +68,7 @@ from ppo_objectives.train.distributed import (
 from ppo_objectives.train.launch import check_launch
 from ppo_objectives.train.loggers import (METRICS, append_metrics, close_logger, columns, log_row, make_logger,
                                          read_metrics, warn_line)
-from ppo_objectives.train.monitor import (FLAGS, CollapseGuard, most_conversations_cut, plot_metrics,
-                                          rare_first_reward)
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, most_conversations_cut, plot_metrics
 from ppo_objectives.train.rollout import collect_batch, rollout_stats, score_batch
 from ppo_objectives.train.text_job import EVAL_COLUMNS, EVAL_TURN_COLUMNS
 from ppo_objectives.train.update import ppo_update
@@ -124,20 +123,24 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             # 2. scoring: V_old, the reference's log-probs, the KL penalty in the reward, GAE
             llm = score_batch(llm, run.ac, run.kl_transform, run.gae)
             t1 = time.perf_counter()
-            # 3. PPO epochs x minibatches, approx-KL trust region, non-finite guard (critic only while
-            #    it < --critic-warmup: the actor keeps the policy that made the rollouts)
-            stats = ppo_update(llm, run.loss_module, run.ac, run.optimizers, cfg, run.gen, process_group=pg,
-                               critic_only=it < cfg.critic_warmup)
-            t2 = time.perf_counter()
-            # 4. the in-reward KL coefficient (on the all-rank KL: identical on every rank) and the row
+            # 3. the rollout's metrics (on every rank's responses); after the first rollout, whether the critic
+            #    trains alone first (--critic-warmup, or --rare-reward-warmup where that rollout's rewards are rare)
             roll = rollout_stats(llm, run.kl_transform, pg)
-            coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
-            n_tok = roll.pop("tokens")
             turns = {k: roll.pop(k) for k in ("turns", "turn_tokens")}  # columns of a multi-turn task
             if cfg.multi_turn:
                 turns["env_turns_cut"] = run.env.env_turns_cut - cut_before
             else:
                 turns = {}
+            if said := run.warmup.decide(dict(iteration=it + 1, **roll, **turns)):
+                warn_line(said, bar)
+            # 4. PPO epochs x minibatches, approx-KL trust region, non-finite guard (the critic's steps alone in
+            #    the warm-up: the actor keeps the policy that made the rollouts)
+            stats = ppo_update(llm, run.loss_module, run.ac, run.optimizers, cfg, run.gen, process_group=pg,
+                               critic_only=run.warmup.critic_only(it))
+            t2 = time.perf_counter()
+            # 5. the in-reward KL coefficient (on the all-rank KL: identical on every rank) and the row
+            coeff = run.controller.update(roll.pop("seq_kl_t"), n_steps=int(roll["episodes"]))
+            n_tok = roll.pop("tokens")
             row = dict(iteration=it + 1, **roll, **turns, kl_reward_coeff=float(coeff), rollout_s=t_ref - t0,
                        reference_s=t1 - t_ref, update_s=t2 - t1, tokens_per_s=n_tok / max(t_ref - t0, 1e-9),
                        **stats)  # fmt: skip
@@ -146,13 +149,10 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
                 warn_line(f"iteration {it + 1}: {row['env_turns_cut']} environment turns did not fit --max-new-tokens "
                           f"{cfg.max_new_tokens} ({row['episodes']:g} conversations); each ended its episode there "
                           f"(truncated, scored as it stood): raise --max-new-tokens (env_turns_cut counts them)", bar)
-            cold = cfg.multi_turn and not cfg.critic_free and not cfg.critic_warmup  # a critic at its initial value
-            if cold and not most_conversations_cut(row) and (rare := rare_first_reward(row, run.guard.reward_floor)):
-                warn_line(rare, bar)
             if cfg.remote_rollouts:  # workers receive the weights (in-process, the collector shares them)
                 run.collector.update_policy_weights_()
             release_host_memory()  # plumbing: the freed host memory of the rollout and update, back to the system
-            # 5. held-out evaluation when due, the collapse guard, metrics.csv / --logger / bar, checkpoint
+            # 6. held-out evaluation when due, the collapse guard, metrics.csv / --logger / bar, checkpoint
             spent = t2 - t0
             train_s += spent
             last = it + 1 == cfg.iterations or _out_of_time(cfg, train_s, pg, run.device)
@@ -163,7 +163,7 @@ def _train(cfg: TrainConfig, d: Dist, callbacks: tuple) -> list[dict[str, float]
             if saved:  # checkpoint and plot; text tasks: the Hugging Face export
                 _save(run, it + 1)
             rows.append(row)
-            # 6. the user's callbacks: any of them may stop the run
+            # 7. the user's callbacks: any of them may stop the run
             stop = [bool(callback(row, run)) for callback in callbacks]
             if any(stop) and not saved:
                 _save(run, it + 1)

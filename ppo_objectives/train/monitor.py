@@ -62,7 +62,7 @@ from pathlib import Path
 
 from ppo_objectives import _validate
 
-__all__ = ["FLAGS", "CollapseGuard", "most_conversations_cut", "plot_metrics", "rare_first_reward"]
+__all__ = ["FLAGS", "CollapseGuard", "CriticWarmup", "most_conversations_cut", "plot_metrics"]
 
 #: The flags :class:`CollapseGuard` raises, in the order they are reported.
 FLAGS = ("min_len", "zero_reward", "entropy", "kl_spike", "stall")
@@ -83,33 +83,70 @@ def most_conversations_cut(row: dict) -> bool:
     return 2 * float(row.get("env_turns_cut", 0.0)) > float(row.get("episodes", math.inf))
 
 
-def rare_first_reward(row: dict, floor: float = 0.05) -> str | None:
-    """The warning for a first iteration whose rewards are rare (mean ``reward`` below ``floor``), else None.
+@dataclass
+class CriticWarmup:
+    """The iterations, from the first, that train the critic alone (the actor keeps the policy of its rollouts).
 
-    The job asks it on a multi-turn task whose critic starts cold (no ``--critic-warmup``): there the first
-    policy update learns from the handful of rewarded episodes alone, and on ``chat-calc-sum`` that update settled
-    3 of 6 seeds of the pretrained recipe on a form that is never right (an answer after the first tool call),
-    where two critic-only iterations first (``--critic-warmup 2``) learned on 4 of 4 (``docs/critic.md``). On the
-    single-turn ``chat-add2`` first batches are as poor (0 to 0.06) and the recipe did not collapse, so single-turn
-    runs are not warned.
+    ``fixed`` of them on every run (``--critic-warmup``). Where none are fixed, ``if_rare`` of them when the first
+    iteration's rewards are rare (``--rare-reward-warmup``, on by default on multi-turn tasks): its mean ``reward``
+    below ``floor``, with at most half its conversations cut by the token budget (else the budget is the cause, and
+    the job's other warnings name it). A cold critic's first policy update learns from the few rewarded episodes
+    alone: on ``chat-calc-sum`` that update settled 3 of 6 seeds of the pretrained recipe on a form that is never
+    right (an answer after the first tool call), where two critic-only iterations first learned on 4 of 4
+    (``docs/critic.md``). Single-turn tasks start as poorly (0 to 0.06 on ``chat-add2``) without that collapse, so
+    their default is 0.
+
+    The decision is made once, after the first rollout, and checkpointed (``iterations``).
 
     Example:
-        >>> rare_first_reward({"iteration": 1, "reward": 0.026})[:40]
-        'iteration 1: reward 0.026 is below 0.05 '
-        >>> rare_first_reward({"iteration": 1, "reward": 0.3}), rare_first_reward({"iteration": 2, "reward": 0.0})
-        (None, None)
+        >>> w = CriticWarmup(if_rare=2)
+        >>> w.decide(dict(iteration=1, reward=0.026, episodes=76.0, env_turns_cut=4.0))[:61]
+        'iteration 1: reward 0.026 is below 0.05 and the critic starts'
+        >>> [w.critic_only(it) for it in range(3)]
+        [True, True, False]
+        >>> CriticWarmup(if_rare=2).decide(dict(iteration=1, reward=0.3, episodes=64.0)) is None
+        True
     """
-    reward = float(row.get("reward", math.nan))
-    if row.get("iteration") != 1 or not reward < floor:
-        return None
-    return (f"iteration 1: reward {reward:.3f} is below {floor:g} and the critic starts cold: the first policy "
-            "update learns from the few rewarded episodes alone, which settled 3 of 6 seeds of chat-calc-sum on a "
-            "wrong form; --critic-warmup 2 trains the critic alone first (docs/critic.md)")
+
+    fixed: int = 0
+    if_rare: int = 0
+    floor: float = 0.05
+    iterations: int = field(init=False)
+
+    def __post_init__(self):
+        for name in ("fixed", "if_rare"):
+            _validate.check_int(name, getattr(self, name), low=0, where="CriticWarmup ")
+        self.floor = _number("floor", self.floor, where="CriticWarmup")
+        self.iterations = self.fixed
+
+    def critic_only(self, it: int) -> bool:
+        """Whether iteration ``it`` (counted from 0) trains the critic alone."""
+        return it < self.iterations
+
+    def decide(self, row: dict) -> str | None:
+        """After the first rollout (``row``: its metrics, ``iteration`` 1), start the warm-up if its rewards are
+        rare; returns the line that says so, else None (on any other row too)."""
+        reward = float(row.get("reward", math.nan))
+        if row.get("iteration") != 1 or self.fixed or not self.if_rare or most_conversations_cut(row):
+            return None
+        if not reward < self.floor:
+            return None
+        self.iterations = self.if_rare
+        span = "iteration 1" if self.if_rare == 1 else f"iterations 1-{self.if_rare}"
+        return (f"iteration 1: reward {reward:.3f} is below {self.floor:g} and the critic starts cold: {span} train "
+                f"the critic alone before the first policy update (--rare-reward-warmup {self.if_rare}; 0 turns it "
+                "off; docs/critic.md)")
+
+    def state_dict(self) -> dict:
+        return dict(iterations=self.iterations)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterations = int(state["iterations"])
 
 
-def _number(name: str, value, *, low: float = 0.0) -> float:
+def _number(name: str, value, *, low: float = 0.0, where: str = "CollapseGuard") -> float:
     if not _validate.is_real(value, low=low):
-        raise ValueError(f"CollapseGuard {name}={value!r} must be a finite number >= {low}")
+        raise ValueError(f"{where} {name}={value!r} must be a finite number >= {low}")
     return float(value)
 
 

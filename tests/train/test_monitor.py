@@ -9,7 +9,7 @@ from _flags import SMALL
 from ppo_objectives import train as T
 from ppo_objectives.train import loop
 from ppo_objectives.train.digit import DigitTask
-from ppo_objectives.train.monitor import FLAGS, CollapseGuard, plot_metrics, rare_first_reward
+from ppo_objectives.train.monitor import FLAGS, CollapseGuard, CriticWarmup, plot_metrics
 
 HEALTHY = dict(reward=0.4, exact=0.1, response_len=4.0, entropy=1.5, kl_approx_max=0.05, kl_token_max=9.0,
                rolled_back=0)  # a large per-token maximum alone is no spike
@@ -145,23 +145,50 @@ def test_a_collapsing_run_says_so_counts_it_and_keeps_its_checkpoint(tmp_path, m
 
 
 @pytest.mark.parametrize(
-    "row, floor, said",
+    "row, warmup, iterations",
     [
-        (dict(iteration=1, reward=0.026), 0.05, True),
-        (dict(iteration=1, reward=0.0), 0.01, True),
-        (dict(iteration=1, reward=0.05), 0.05, False),  # at the floor: not rare
-        (dict(iteration=1, reward=0.02), 0.01, False),
-        (dict(iteration=2, reward=0.0), 0.05, False),  # only the first iteration
-        (dict(iteration=1, reward=math.nan), 0.05, False),  # no reward logged
-        (dict(iteration=1), 0.05, False),
+        (dict(iteration=1, reward=0.026, episodes=76.0), CriticWarmup(if_rare=2), 2),
+        (dict(iteration=1, reward=0.0, episodes=8.0), CriticWarmup(if_rare=1, floor=0.01), 1),
+        (dict(iteration=1, reward=0.05, episodes=8.0), CriticWarmup(if_rare=2), 0),  # at the floor: not rare
+        (dict(iteration=1, reward=0.02, episodes=8.0), CriticWarmup(if_rare=2, floor=0.01), 0),
+        (dict(iteration=2, reward=0.0, episodes=8.0), CriticWarmup(if_rare=2), 0),  # only the first iteration
+        (dict(iteration=1, reward=math.nan, episodes=8.0), CriticWarmup(if_rare=2), 0),  # no reward logged
+        (dict(iteration=1), CriticWarmup(if_rare=2), 0),
+        (dict(iteration=1, reward=0.0, episodes=8.0), CriticWarmup(if_rare=0), 0),  # off
+        (dict(iteration=1, reward=0.0, episodes=8.0), CriticWarmup(fixed=3, if_rare=2), 3),  # a warm critic
+        # the token budget cut most conversations: that is the cause of the rare rewards, not a cold critic
+        (dict(iteration=1, reward=0.0, episodes=8.0, env_turns_cut=5.0), CriticWarmup(if_rare=2), 0),
+        (dict(iteration=1, reward=0.0, episodes=8.0, env_turns_cut=4.0), CriticWarmup(if_rare=2), 2),
     ],
 )
-def test_rare_first_reward_warns_only_on_a_first_iteration_below_the_floor(row, floor, said):
-    line = rare_first_reward(row, floor)
-    assert (line is not None) == said
-    if said:
-        assert line.startswith(f"iteration 1: reward {row['reward']:.3f} is below {floor:g} and the critic starts cold")
-        assert "--critic-warmup 2" in line
+def test_critic_warmup_starts_only_on_a_cold_critics_first_iteration_below_the_floor(row, warmup, iterations):
+    fixed = warmup.fixed
+    line = warmup.decide(row)
+    assert warmup.iterations == iterations
+    assert [warmup.critic_only(it) for it in range(4)] == [it < iterations for it in range(4)]
+    assert (line is not None) == (iterations > 0 and not fixed)
+    if line is not None:
+        assert line.startswith(f"iteration 1: reward {row['reward']:.3f} is below {warmup.floor:g} and the critic "
+                               f"starts cold: iteration{'s 1-2' if iterations == 2 else ' 1'} train the critic alone")
+        assert f"--rare-reward-warmup {iterations}; 0 turns it off" in line
+
+
+def test_critic_warmup_keeps_its_decision_through_a_checkpoint():
+    decided = CriticWarmup(if_rare=2)
+    decided.decide(dict(iteration=1, reward=0.0, episodes=8.0))
+    resumed = CriticWarmup(if_rare=2)
+    resumed.load_state_dict(decided.state_dict())
+    assert resumed.iterations == 2 and resumed.critic_only(1) and not resumed.critic_only(2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fixed=-1), r"CriticWarmup fixed=-1 must be an int >= 0"),
+    (dict(if_rare=1.5), r"CriticWarmup if_rare=1.5 must be an int >= 0"),
+    (dict(floor=math.nan), r"CriticWarmup floor=nan must be a finite number >= 0"),
+])
+def test_critic_warmup_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CriticWarmup(**kwargs)
 
 
 def test_resume_of_a_collapsing_run_continues_its_streak(tmp_path, monkeypatch):

@@ -184,22 +184,36 @@ def test_a_tool_turn_that_does_not_fit_is_counted_and_warned_about(tmp_path, cha
     assert "environment turns did not fit --max-new-tokens 24" in capsys.readouterr().err
 
 
-def test_a_cold_critic_on_a_multi_turn_task_with_rare_rewards_is_warned_once(tmp_path, chat_model_dir, capsys):
+def test_a_cold_critic_on_a_multi_turn_task_with_rare_rewards_trains_alone_first(tmp_path, chat_model_dir, capsys):
     from ppo_objectives import train as T
 
     inputs = _jsonl(tmp_path)
     (tmp_path / "r.py").write_text("def f(completion, answer, messages):\n    return 0.0\n")  # no episode rewarded
-    # once, at iteration 1 of a cold critic; never with a warm-up, nor without a critic
-    for i, (flags, iterations, said) in enumerate([({}, 2, 1), (dict(critic_warmup=1), 1, 0),
-                                                   (dict(advantage="rloo"), 1, 0)]):
-        cfg = T.TrainConfig(model=str(chat_model_dir), iterations=iterations, num_envs=4, max_new_tokens=48,
-                            max_turn_tokens=6, out=str(tmp_path / f"run{i}"), no_progress=True, no_plot=True,
-                            **flags, **inputs)
-        assert [r["turns"] for r in T.train(cfg)[1:]] == [2.0] * iterations  # every episode fit its tool turn
+    common = dict(model=str(chat_model_dir), num_envs=4, max_new_tokens=48, max_turn_tokens=6,
+                  no_progress=True, no_plot=True, **inputs)
+    assert T.TrainConfig(advantage="rloo", **common).rare_reward_warmup == 0  # no critic to warm up
+    runs = {}
+    # the default warms up and says so once; a fixed --critic-warmup 2 does the same silently; 0 turns it off
+    for name, flags, said in [("default", {}, 1), ("fixed", dict(critic_warmup=2, rare_reward_warmup=0), 0),
+                              ("off", dict(rare_reward_warmup=0), 0)]:
+        cfg = T.TrainConfig(out=str(tmp_path / name), iterations=2, **flags, **common)
+        assert cfg.rare_reward_warmup == (2 if name == "default" else 0), name
+        runs[name] = T.train(cfg)[1:]
+        assert [r["turns"] for r in runs[name]] == [2.0, 2.0]  # every episode fit its tool turn
         err = capsys.readouterr().err
-        assert err.count("critic starts cold") == said, flags
+        assert err.count("critic starts cold") == said, name
         if said:
-            assert "WARNING ppo: iteration 1: reward 0.000 is below 0.05 and the critic starts cold" in err
+            assert ("WARNING ppo: iteration 1: reward 0.000 is below 0.05 and the critic starts cold: iterations 1-2 "
+                    "train the critic alone before the first policy update (--rare-reward-warmup 2") in err
+    # the decision changes when the policy starts to learn, nothing else: the same run as --critic-warmup 2
+    for key in ("reward", "entropy", "loss_critic", "loss_objective", "kl_approx", "explained_variance"):
+        assert [r[key] for r in runs["default"]] == pytest.approx([r[key] for r in runs["fixed"]], nan_ok=True), key
+    ckpt = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in runs}
+    assert ckpt["default"]["critic_warmup"] == {"iterations": 2}  # a --resume keeps the decision
+    actor = {name: c["actor_model"] for name, c in ckpt.items()}
+    assert all(torch.equal(t, actor["fixed"][k]) for k, t in actor["default"].items())
+    # without it the actor steps from iteration 1 (a little, at the recipe's 2e-5)
+    assert not all(torch.equal(t, actor["off"][k]) for k, t in actor["default"].items())
 
 
 def test_a_run_whose_budget_cuts_most_conversations_says_so_where_the_user_looks(tmp_path, chat_model_dir, capsys):
@@ -257,6 +271,10 @@ def test_a_single_turn_run_has_no_turn_columns(tmp_path, chat_model_dir):
     (["--task", "reverse", "--max-turns", "2"], "--max-turns", "--task reverse has one turn"),
     (["--task", "add", "--max-turn-tokens", "4"], "--max-turn-tokens", "--task add has one turn"),
     (["--task", "chat-calc", "--holes", "cut", "--advantage", "grpo"], "--holes", "--advantage grpo has no GAE"),
+    (["--task", "chat-add1", "--rare-reward-warmup", "2"], "--rare-reward-warmup", "--task chat-add1 has one turn"),
+    (["--task", "chat-calc", "--rare-reward-warmup", "-1"], "--rare-reward-warmup", "must be an int >= 0"),
+    (["--task", "chat-calc", "--rare-reward-warmup", "2", "--advantage", "rloo"], "--rare-reward-warmup",
+     "configure the critic, but --advantage rloo has none"),
 ])
 def test_a_misused_turn_flag_is_one_error_line(capsys, tmp_path, chat_model_dir, argv, flag, fix):
     from ppo_objectives import train as T
