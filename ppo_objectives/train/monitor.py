@@ -1,4 +1,5 @@
-"""Watching a PPO run: a collapse guard over the logged metrics, and the plot that shows a failing run.
+"""Watching a PPO run: a collapse guard over the logged metrics, the plot that shows a failing run, and the
+first iteration's check that warms a cold critic up where rewards are rare (:class:`CriticWarmup`).
 
 A token-level PPO run on a language model fails in a few recognisable ways, each
 visible in one logged metric of :mod:`ppo_objectives.train` (one row per iteration):
@@ -132,8 +133,8 @@ class CriticWarmup:
         if not reward < self.floor:
             return None
         self.iterations = self.if_rare
-        span = "iteration 1" if self.if_rare == 1 else f"iterations 1-{self.if_rare}"
-        return (f"iteration 1: reward {reward:.3f} is below {self.floor:g} and the critic starts cold: {span} train "
+        span = "iteration 1 trains" if self.if_rare == 1 else f"iterations 1-{self.if_rare} train"
+        return (f"iteration 1: reward {reward:.3f} is below {self.floor:g} and the critic starts cold: {span} "
                 f"the critic alone before the first policy update (--rare-reward-warmup {self.if_rare}; 0 turns it "
                 "off; docs/critic.md)")
 

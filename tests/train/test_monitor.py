@@ -169,7 +169,7 @@ def test_critic_warmup_starts_only_on_a_cold_critics_first_iteration_below_the_f
     assert (line is not None) == (iterations > 0 and not fixed)
     if line is not None:
         assert line.startswith(f"iteration 1: reward {row['reward']:.3f} is below {warmup.floor:g} and the critic "
-                               f"starts cold: iteration{'s 1-2' if iterations == 2 else ' 1'} train the critic alone")
+                               f"starts cold: {'iterations 1-2 train' if iterations == 2 else 'iteration 1 trains'} the critic alone")
         assert f"--rare-reward-warmup {iterations}; 0 turns it off" in line
 
 
