@@ -244,9 +244,10 @@ def test_a_users_tool_gets_a_budget_for_a_round_trip_and_an_answer():
 
     flags = dict(task="jsonl", model="m", prompts="p.jsonl", reward="r.py:f")
     cfg = T.TrainConfig(**flags, tool="t.py:tool")
-    assert (cfg.max_new_tokens, cfg.minibatches) == (80, 4) == tuple(TOOL_DEFAULTS.values())
+    assert (cfg.max_new_tokens, cfg.minibatches, cfg.rare_reward_warmup) == (80, 4, 2) == tuple(TOOL_DEFAULTS.values())
     assert TOOL_DEFAULTS["max_new_tokens"] == TASK_DEFAULTS["chat-calc"]["max_new_tokens"]
     assert T.TrainConfig(**flags).max_new_tokens == 16  # without a tool: the single-turn recipe
+    assert T.TrainConfig(**flags).rare_reward_warmup == 0
     assert T.TrainConfig(**flags, tool="t.py:tool", max_new_tokens=32).max_new_tokens == 32  # a flag wins
     assert "--tool 80]" in " ".join(T.build_parser().format_help().split())
 
