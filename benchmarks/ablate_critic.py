@@ -113,10 +113,10 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
             cells = [f"{median([at_minutes(r['rows'], 'eval_sampled', m) for r in rs]):.3f}" for m in MARKS[1:]]
             hits = [reach(r["rows"], target) for r in rs]
             secs = median([x["rollout_s"] + x["reference_s"] + x["update_s"] for r in rs for x in r["rows"]
-                            if x["iteration"] >= 1])
-            print(f"| {lever} | {len(rs)} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f', '')} | "
-                  f"{reach_cell([h[1] for h in hits], '.0f', '')} | {median([len(r['rows']) - 1 for r in rs]):.0f} | "
-                  f"{secs:.1f} | "
+                           if x["iteration"] >= 1])
+            print(f"| {lever} | {len(rs)} | " + " | ".join(cells) +
+                  f" | {reach_cell([h[0] for h in hits], '.1f', '')} | {reach_cell([h[1] for h in hits], '.0f', '')} | "
+                  f"{median([len(r['rows']) - 1 for r in rs]):.0f} | {secs:.1f} | "
                   f"{median([r.get('peak_rss_gib', float('nan')) for r in rs]):.2f} |")
         if "recipe" in levers:
             print("\nlever - recipe, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")

@@ -163,12 +163,13 @@ def summary(results: Path, plot: bool) -> None:
                      f"({median([mark_evaluation(r['rows'], m)[0] for r in done[side]]):.1f})" for m in MARKS]
             hits = [reach(r["rows"], target) for r in done[side]]
             secs = median([r_["rollout_s"] + r_["reference_s"] + r_["update_s"] for r in done[side]
-                            for r_ in r["rows"] if r_["iteration"] >= 1])
+                           for r_ in r["rows"] if r_["iteration"] >= 1])
             peak = median([r.get("peak_rss_gib", float("nan")) for r in done[side]])
             its = median([max(r_["iteration"] for r_ in r["rows"]) for r in done[side]])
             tokens = median([sum(r_.get("rollout_tokens", 0.0) or 0.0 for r_ in r["rows"]) for r in done[side]])
-            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) + f" | {reach_cell([h[0] for h in hits], '.1f')} | "
-                  f"{reach_cell([h[1] for h in hits], '.0f')} | {its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
+            print(f"| {side} | {len(done[side])} | " + " | ".join(cells) +
+                  f" | {reach_cell([h[0] for h in hits], '.1f')} | {reach_cell([h[1] for h in hits], '.0f')} | "
+                  f"{its:.0f} | {tokens:,.0f} | {secs:.1f} | {peak:.2f} |")
         if "ppo" in done and done["ppo"]:
             print("\nppo - side, held-out sampled accuracy, mean over seeds [bootstrap 95%]:\n")
             for side in (s for s in done if s != "ppo" and done[s]):

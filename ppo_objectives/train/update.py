@@ -49,9 +49,9 @@ def ppo_update(llm: TensorDictBase, loss_module: TokenPPOLoss, ac: ActorCritic, 
     the valid-token count of all ranks, and the early stop, the rollback and the non-finite guard
     decide on all-reduced numbers, so every rank takes (and undoes) the same steps.
 
-    ``critic_only`` (the ``--critic-warmup`` iterations): the same minibatch steps on ``loss_critic``
-    alone, stepping the critic's optimizer only; the actor's parameters do not move (a shared
-    trunk included), so there is no trust region to hold.
+    ``critic_only`` (the warm-up iterations, :class:`~ppo_objectives.train.monitor.CriticWarmup`): the same
+    minibatch steps on ``loss_critic`` alone, stepping the critic's optimizer only; the actor's parameters do
+    not move (a shared trunk included), so there is no trust region to hold.
 
     ``cfg.micro_batches`` ``M > 1`` (gradient accumulation): each minibatch's forward and backward run on
     ``M`` row slices in turn, their gradients summed into the minibatch's one step, so the step is the same
