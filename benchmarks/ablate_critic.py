@@ -11,7 +11,8 @@ and after the first iteration past every 5 training minutes), 15 training minute
   its attention frozen, or its top layers only), and GAE over turns instead of tokens;
 - the best combination of the screens (``floor-0.9-warmup-2``);
 - on the multi-turn task, the recipe without the warm-up it gives a cold critic when the first
-  iteration's rewards are rare (``rare-reward-warmup-0``: the recipe as it was before that default).
+  iteration's rewards are rare (``rare-reward-warmup-0``: the recipe as it was before that default),
+  and with one warm-up iteration instead of two (``rare-reward-warmup-1``).
 
 Screening runs one seed of every lever per task; the levers that move held-out sampled accuracy
 by 0.05 or more then run seeds 1 and 2 (``--runs TASK:LEVER:SEED ...``). Each run is a process
@@ -44,6 +45,7 @@ from study_critic import MARKS, difference_line, reach
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic_levers"
 TASKS = ("chat-add2", "chat-calc-sum")
+MULTI_TURN = ("chat-calc-sum",)
 MINUTES = 15.0
 
 #: Each lever: the flags it adds to the recipe.
@@ -65,7 +67,16 @@ LEVERS: dict[str, list[str]] = {
     # multi-turn tasks: the recipe before it warmed a cold critic up where the first rewards are rare (its rows on
     # chat-calc-sum were written as the recipe's, and moved here when the default changed)
     "rare-reward-warmup-0": ["--rare-reward-warmup", "0"],
+    # the same warm-up on rare first rewards, one critic-only iteration instead of the default two
+    "rare-reward-warmup-1": ["--rare-reward-warmup", "1"],
 }
+#: Levers that only a multi-turn task takes (the job refuses them on a single-turn one).
+MULTI_TURN_LEVERS = ("rare-reward-warmup-0", "rare-reward-warmup-1")
+
+
+def applies(task: str, lever: str) -> bool:
+    """Whether the job takes ``lever`` on ``task``."""
+    return task in MULTI_TURN or lever not in MULTI_TURN_LEVERS
 
 
 def row_path(results: Path, spec: str) -> Path:
@@ -127,7 +138,7 @@ def summary(results: Path, recipe_from: Path | None = None) -> None:
 
 
 def main(argv=None) -> int:
-    default = [f"{t}:{lever}:0" for t in TASKS for lever in LEVERS]
+    default = [f"{t}:{lever}:0" for t in TASKS for lever in LEVERS if applies(t, lever)]
     p = runner_arguments(__doc__, default, MINUTES, "TASK:LEVER:SEED", RESULTS)
     p.add_argument("--recipe-from", type=Path, help="--summary: also count the ppo rows of study_critic.py under "
                    "this directory (the same machine's) as runs of the recipe")
@@ -140,6 +151,8 @@ def main(argv=None) -> int:
         if task not in TASKS or lever not in LEVERS or not seed.isdigit():
             p.error(f"--runs {spec}: give TASK:LEVER:SEED with TASK one of {list(TASKS)} and LEVER one of "
                     f"{list(LEVERS)}, e.g. chat-add2:critic-steps-2:0")
+        if not applies(task, lever):
+            p.error(f"--runs {spec}: {lever} applies to a multi-turn task only: give it with one of {list(MULTI_TURN)}")
     check_model(p, args.model)
 
     def run(spec: str) -> dict:

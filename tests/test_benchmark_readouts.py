@@ -158,6 +158,17 @@ def test_the_lever_runner_refuses_an_unknown_lever_in_one_error_line(capsys):
     assert "error:" in err and "LEVER one of" in err
 
 
+def test_the_lever_runner_refuses_a_multi_turn_lever_on_a_single_turn_task_and_leaves_it_out_by_default(capsys):
+    from ablate_critic import LEVERS, applies, main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(Path(__file__).parent), "--runs", "chat-add2:rare-reward-warmup-1:0"])
+    err = capsys.readouterr().err
+    assert "error:" in err and "applies to a multi-turn task only" in err and "chat-calc-sum" in err
+    assert not applies("chat-add2", "rare-reward-warmup-0") and applies("chat-calc-sum", "rare-reward-warmup-1")
+    assert applies("chat-add2", "critic-steps-2") and all(applies("chat-calc-sum", lever) for lever in LEVERS)
+
+
 def test_the_lever_summary_can_take_the_recipe_from_the_studys_rows(tmp_path, capsys):
     from ablate_critic import row_path, summary
 
