@@ -45,7 +45,6 @@ from study_critic import MARKS, difference_line, reach
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "critic_levers"
 TASKS = ("chat-add2", "chat-calc-sum")
-MULTI_TURN = ("chat-calc-sum",)
 MINUTES = 15.0
 
 #: Each lever: the flags it adds to the recipe.
@@ -70,13 +69,15 @@ LEVERS: dict[str, list[str]] = {
     # the same warm-up on rare first rewards, one critic-only iteration instead of the default two
     "rare-reward-warmup-1": ["--rare-reward-warmup", "1"],
 }
-#: Levers that only a multi-turn task takes (the job refuses them on a single-turn one).
-MULTI_TURN_LEVERS = ("rare-reward-warmup-0", "rare-reward-warmup-1")
 
 
 def applies(task: str, lever: str) -> bool:
-    """Whether the job takes ``lever`` on ``task``."""
-    return task in MULTI_TURN or lever not in MULTI_TURN_LEVERS
+    """Whether the job takes ``lever`` on ``task``: it refuses ``--rare-reward-warmup`` on a single-turn task."""
+    if "--rare-reward-warmup" not in LEVERS[lever]:
+        return True
+    from ppo_objectives.train.config import MULTI_TURN_TASKS  # torch: imported only when a lever needs it
+
+    return task in MULTI_TURN_TASKS
 
 
 def row_path(results: Path, spec: str) -> Path:
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
             p.error(f"--runs {spec}: give TASK:LEVER:SEED with TASK one of {list(TASKS)} and LEVER one of "
                     f"{list(LEVERS)}, e.g. chat-add2:critic-steps-2:0")
         if not applies(task, lever):
-            p.error(f"--runs {spec}: {lever} applies to a multi-turn task only: give it with one of {list(MULTI_TURN)}")
+            p.error(f"--runs {spec}: {lever} applies to a multi-turn task only: give it with one of "
+                    f"{[t for t in TASKS if applies(t, lever)]}")
     check_model(p, args.model)
 
     def run(spec: str) -> dict:
